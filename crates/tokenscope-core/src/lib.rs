@@ -1,0 +1,30 @@
+//! # tokenscope-core
+//!
+//! Pure types and measurement, shared by every other tokenscope crate. Nothing here performs
+//! I/O, spawns tasks or reads a clock by itself: callers pass in [`std::time::Instant`]s taken
+//! from the monotonic clock, so every function is deterministic and unit-testable.
+//!
+//! * [`record`] — [`RequestRecord`], the one row written per request, and its enums.
+//! * [`timing`] — [`StreamTimer`]: TTFT, TPOT, inter-token gaps, from monotonic instants.
+//! * [`sse`] — an incremental, bounded Server-Sent-Events parser.
+//! * [`openai`] — reading OpenAI-compatible request and response bodies (usage, model, finish
+//!   reason, llama.cpp `timings`), and the `include_usage` rewrite.
+//! * [`prompt`] — prompt normalisation and hashing for duplicate detection.
+//!
+//! Invariants:
+//! * TPOT is `(t_last − t_first) / (n_out − 1)` and only exists for `n_out ≥ 2`.
+//! * Durations are computed from monotonic instants only; wall clock is used for `created_at`
+//!   alone.
+//! * Parsers never panic on any input (property-tested and fuzzed).
+#![deny(missing_docs)]
+
+pub mod openai;
+pub mod prompt;
+pub mod record;
+pub mod sse;
+pub mod timing;
+
+pub use record::{
+    Endpoint, InputBucket, Outcome, PhaseSource, RequestRecord, TokenSource,
+};
+pub use timing::StreamTimer;

@@ -1,0 +1,355 @@
+//! Reading OpenAI-compatible request and response bodies.
+//!
+//! Everything here is tolerant: unknown fields are ignored, a field of the wrong type is treated
+//! as absent where possible, and no input panics. Token counts are never invented: a count is
+//! only reported when the payload carries it.
+
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use serde_json::Value;
+use std::borrow::Cow;
+
+/// What the gateway needs to know about a request body.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestInfo {
+    /// `model`.
+    pub model: Option<String>,
+    /// `stream` (false when absent).
+    pub stream: bool,
+    /// `stream_options.include_usage` (false when absent).
+    pub include_usage: bool,
+    /// `max_tokens`, else `max_completion_tokens`.
+    pub max_tokens: Option<u64>,
+    /// The body's `user` field.
+    pub user: Option<String>,
+}
+
+impl RequestInfo {
+    /// Reads the fields from a parsed JSON body.
+    pub fn from_json(v: &Value) -> Self {
+        let str_field = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
+        RequestInfo {
+            model: str_field("model"),
+            stream: v.get("stream").and_then(Value::as_bool).unwrap_or(false),
+            include_usage: v
+                .get("stream_options")
+                .and_then(|o| o.get("include_usage"))
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            max_tokens: v
+                .get("max_tokens")
+                .and_then(Value::as_u64)
+                .or_else(|| v.get("max_completion_tokens").and_then(Value::as_u64)),
+            user: str_field("user"),
+        }
+    }
+}
+
+/// Sets `stream_options.include_usage = true` in a request body, keeping every other field.
+/// Returns `false` (and changes nothing) when the body is not a JSON object or
+/// `stream_options` exists but is not an object.
+pub fn inject_include_usage(body: &mut Value) -> bool {
+    let Some(obj) = body.as_object_mut() else {
+        return false;
+    };
+    let opts = obj
+        .entry("stream_options")
+        .or_insert_with(|| Value::Object(Default::default()));
+    match opts.as_object_mut() {
+        Some(o) => {
+            o.insert("include_usage".into(), Value::Bool(true));
+            true
+        }
+        None => false,
+    }
+}
+
+/// The OpenAI `usage` object.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens (including cached).
+    #[serde(default, deserialize_with = "lenient_u64")]
+    pub prompt_tokens: Option<u64>,
+    /// Completion tokens (including reasoning).
+    #[serde(default, deserialize_with = "lenient_u64")]
+    pub completion_tokens: Option<u64>,
+    /// Total tokens.
+    #[serde(default, deserialize_with = "lenient_u64")]
+    pub total_tokens: Option<u64>,
+    /// `prompt_tokens_details.cached_tokens`.
+    #[serde(default)]
+    pub prompt_tokens_details: Option<PromptDetails>,
+    /// `completion_tokens_details.reasoning_tokens`.
+    #[serde(default)]
+    pub completion_tokens_details: Option<CompletionDetails>,
+}
+
+impl Usage {
+    /// Cached prompt tokens, when reported.
+    pub fn cached_tokens(&self) -> Option<u64> {
+        self.prompt_tokens_details.and_then(|d| d.cached_tokens)
+    }
+    /// Reasoning tokens, when reported.
+    pub fn reasoning_tokens(&self) -> Option<u64> {
+        self.completion_tokens_details
+            .and_then(|d| d.reasoning_tokens)
+    }
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub struct PromptDetails {
+    /// Cached prompt tokens.
+    #[serde(default, deserialize_with = "lenient_u64")]
+    pub cached_tokens: Option<u64>,
+}
+
+/// `usage.completion_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub struct CompletionDetails {
+    /// Reasoning tokens.
+    #[serde(default, deserialize_with = "lenient_u64")]
+    pub reasoning_tokens: Option<u64>,
+}
+
+/// llama.cpp's per-request `timings` object.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+pub struct LlamaTimings {
+    /// Prompt tokens processed (not served from cache).
+    #[serde(default, deserialize_with = "lenient_u64")]
+    pub prompt_n: Option<u64>,
+    /// Prefill time, ms.
+    #[serde(default)]
+    pub prompt_ms: Option<f64>,
+    /// Tokens generated.
+    #[serde(default, deserialize_with = "lenient_u64")]
+    pub predicted_n: Option<u64>,
+    /// Decode time, ms.
+    #[serde(default)]
+    pub predicted_ms: Option<f64>,
+    /// Prompt tokens served from the KV cache.
+    #[serde(default, deserialize_with = "lenient_u64")]
+    pub cache_n: Option<u64>,
+    /// Speculative decoding: draft tokens.
+    #[serde(default, deserialize_with = "lenient_u64")]
+    pub draft_n: Option<u64>,
+    /// Speculative decoding: accepted draft tokens.
+    #[serde(default, deserialize_with = "lenient_u64")]
+    pub draft_n_accepted: Option<u64>,
+}
+
+fn lenient_u64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    let v = Option::<Value>::deserialize(d)?;
+    Ok(v.and_then(|v| match v {
+        Value::Number(n) => n
+            .as_u64()
+            .or_else(|| n.as_f64().filter(|f| *f >= 0.0 && f.is_finite()).map(|f| f as u64)),
+        _ => None,
+    }))
+}
+
+/// What one response body (non-streaming) or one SSE `data:` payload (streaming) says.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PayloadInfo {
+    /// `model`.
+    pub model: Option<String>,
+    /// At least one choice carries output (text, reasoning, tool call, refusal).
+    pub has_output: bool,
+    /// `choices` is present and empty (the usage-only chunk when usage is also present).
+    pub empty_choices: bool,
+    /// `finish_reason` of the first choice that has one.
+    pub finish_reason: Option<String>,
+    /// The `usage` object.
+    pub usage: Option<Usage>,
+    /// llama.cpp's `timings`.
+    pub timings: Option<LlamaTimings>,
+    /// The payload is an error object (`{"error": ...}`).
+    pub is_error: bool,
+    /// Bytes of output text in this payload (for estimates when no usage arrives).
+    pub output_bytes: usize,
+}
+
+impl PayloadInfo {
+    /// The usage-only chunk the gateway adds with `include_usage`: empty `choices` and a usage.
+    pub fn is_usage_only(&self) -> bool {
+        self.empty_choices && self.usage.is_some()
+    }
+}
+
+#[derive(Deserialize)]
+struct RawPayload<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    choices: Option<Vec<RawChoice<'a>>>,
+    #[serde(default)]
+    usage: Option<Usage>,
+    #[serde(default)]
+    timings: Option<LlamaTimings>,
+    #[serde(default)]
+    error: Option<IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct RawChoice<'a> {
+    #[serde(borrow, default)]
+    delta: Option<RawMessage<'a>>,
+    #[serde(borrow, default)]
+    message: Option<RawMessage<'a>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    finish_reason: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct RawMessage<'a> {
+    #[serde(borrow, default)]
+    content: Option<RawContent<'a>>,
+    #[serde(borrow, default)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    reasoning: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    refusal: Option<Cow<'a, str>>,
+    #[serde(default)]
+    tool_calls: Option<Vec<IgnoredAny>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawContent<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Other(IgnoredAny),
+}
+
+/// Error of [`parse_payload`].
+#[derive(Debug, thiserror::Error)]
+#[error("malformed JSON payload: {0}")]
+pub struct PayloadError(#[from] serde_json::Error);
+
+/// Reads a chat/completion/embedding response body or one streamed `data:` payload.
+pub fn parse_payload(data: &[u8]) -> Result<PayloadInfo, PayloadError> {
+    let raw: RawPayload<'_> = serde_json::from_slice(data)?;
+    let mut info = PayloadInfo {
+        model: raw.model.map(Cow::into_owned),
+        usage: raw.usage,
+        timings: raw.timings,
+        is_error: raw.error.is_some(),
+        ..PayloadInfo::default()
+    };
+    if let Some(choices) = raw.choices {
+        info.empty_choices = choices.is_empty();
+        for c in choices {
+            let mut bytes = c.text.as_ref().map_or(0, |t| t.len());
+            let mut tools = false;
+            for m in [c.delta.as_ref(), c.message.as_ref()].into_iter().flatten() {
+                if let Some(RawContent::Text(t)) = &m.content {
+                    bytes += t.len();
+                }
+                bytes += m.reasoning_content.as_ref().map_or(0, |t| t.len());
+                bytes += m.reasoning.as_ref().map_or(0, |t| t.len());
+                bytes += m.refusal.as_ref().map_or(0, |t| t.len());
+                tools |= m.tool_calls.as_ref().is_some_and(|t| !t.is_empty());
+            }
+            info.output_bytes += bytes;
+            info.has_output |= bytes > 0 || tools;
+            if info.finish_reason.is_none() {
+                info.finish_reason = c.finish_reason.map(Cow::into_owned);
+            }
+        }
+    }
+    Ok(info)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn request_fields() {
+        let v: Value = serde_json::json!({
+            "model": "m", "stream": true, "max_completion_tokens": 7, "user": "u",
+            "stream_options": {"include_usage": true}
+        });
+        let r = RequestInfo::from_json(&v);
+        assert_eq!(r.model.as_deref(), Some("m"));
+        assert!(r.stream && r.include_usage);
+        assert_eq!(r.max_tokens, Some(7));
+        assert_eq!(r.user.as_deref(), Some("u"));
+    }
+
+    #[test]
+    fn inject_usage_keeps_other_options() {
+        let mut v = serde_json::json!({"stream_options": {"x": 1}});
+        assert!(inject_include_usage(&mut v));
+        assert_eq!(v, serde_json::json!({"stream_options": {"x": 1, "include_usage": true}}));
+        let mut v = serde_json::json!({});
+        assert!(inject_include_usage(&mut v));
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        let mut v = serde_json::json!([]);
+        assert!(!inject_include_usage(&mut v));
+    }
+
+    #[test]
+    fn chat_chunk() {
+        let p = parse_payload(
+            br#"{"id":"x","object":"chat.completion.chunk","model":"gemma","choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}"#,
+        )
+        .expect("valid");
+        assert!(p.has_output);
+        assert_eq!(p.model.as_deref(), Some("gemma"));
+        assert_eq!(p.output_bytes, 2);
+        let role_only = parse_payload(
+            br#"{"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}"#,
+        )
+        .expect("valid");
+        assert!(!role_only.has_output);
+    }
+
+    #[test]
+    fn usage_only_chunk_with_timings() {
+        let p = parse_payload(br#"{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{"cached_tokens":3}},"timings":{"prompt_n":9,"prompt_ms":12.5,"predicted_n":5,"predicted_ms":40.25,"cache_n":3}}"#).expect("valid");
+        assert!(p.is_usage_only());
+        let u = p.usage.expect("usage");
+        assert_eq!(u.prompt_tokens, Some(12));
+        assert_eq!(u.cached_tokens(), Some(3));
+        let t = p.timings.expect("timings");
+        assert_eq!(t.prompt_ms, Some(12.5));
+        assert_eq!(t.cache_n, Some(3));
+    }
+
+    #[test]
+    fn completion_and_embedding_bodies() {
+        let p = parse_payload(br#"{"choices":[{"text":"abc","finish_reason":"length"}],"usage":{"prompt_tokens":2,"completion_tokens":3}}"#).expect("valid");
+        assert!(p.has_output);
+        assert_eq!(p.finish_reason.as_deref(), Some("length"));
+        let e = parse_payload(br#"{"object":"list","data":[{"embedding":[0.1]}],"usage":{"prompt_tokens":4,"total_tokens":4}}"#).expect("valid");
+        assert_eq!(e.usage.and_then(|u| u.prompt_tokens), Some(4));
+        assert!(!e.has_output);
+    }
+
+    #[test]
+    fn error_payload_and_garbage() {
+        assert!(parse_payload(br#"{"error":{"message":"x"}}"#).expect("valid").is_error);
+        assert!(parse_payload(b"{not json").is_err());
+        assert!(parse_payload(b"[DONE]").is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn never_panics(data in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = parse_payload(&data);
+        }
+
+        #[test]
+        fn usage_numbers_round_trip(p in 0u64..1_000_000, c in 0u64..1_000_000) {
+            let body = format!(r#"{{"choices":[],"usage":{{"prompt_tokens":{p},"completion_tokens":{c}}}}}"#);
+            let info = parse_payload(body.as_bytes()).expect("valid");
+            let u = info.usage.expect("usage");
+            prop_assert_eq!(u.prompt_tokens, Some(p));
+            prop_assert_eq!(u.completion_tokens, Some(c));
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! The per-request record: exactly one is produced for every request the gateway measures,
+//! whatever happens to it (success, upstream failure, timeout, client disconnect).
+//!
+//! Column names follow the article's `llm_inference_log` (`request_id, user_id, model,
+//! request_type, input_tokens, output_tokens, queue_duration_ms, prefill_duration_ms,
+//! decode_duration_ms, ttft_ms, tpot_ms, total_duration_ms, created_at`) and extend it.
+//! Durations are milliseconds as `f64` (microsecond resolution), measured on the monotonic
+//! clock; `created_at` is the only wall-clock value (Unix epoch, microseconds).
+
+use serde::{Deserialize, Serialize};
+
+/// How a request ended, from the point of view of the person who sent it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// The upstream answered 2xx and the response was delivered completely.
+    #[default]
+    Ok,
+    /// The request was rejected because of the client (4xx other than 429, body too large).
+    ClientError,
+    /// The upstream failed: unreachable, 5xx, 429, or a malformed response.
+    UpstreamError,
+    /// The upstream did not answer (or stalled mid-stream) within the configured timeout.
+    Timeout,
+    /// The client went away before the response was complete.
+    Cancelled,
+}
+
+impl Outcome {
+    /// Every variant, in a stable order.
+    pub const ALL: [Outcome; 5] = [
+        Outcome::Ok,
+        Outcome::ClientError,
+        Outcome::UpstreamError,
+        Outcome::Timeout,
+        Outcome::Cancelled,
+    ];
+
+    /// The stable lower-case name used in the store and as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::ClientError => "client_error",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::Timeout => "timeout",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
+
+    /// Parses [`Outcome::as_str`] back.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|o| o.as_str() == s)
+    }
+}
+
+/// The measured OpenAI-compatible endpoint (other paths are passed through unmeasured).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Endpoint {
+    /// `/v1/chat/completions`
+    #[default]
+    ChatCompletions,
+    /// `/v1/completions`
+    Completions,
+    /// `/v1/embeddings`
+    Embeddings,
+}
+
+impl Endpoint {
+    /// Maps a request path to a measured endpoint.
+    pub fn from_path(path: &str) -> Option<Self> {
+        match path.trim_end_matches('/') {
+            "/v1/chat/completions" | "/chat/completions" => Some(Endpoint::ChatCompletions),
+            "/v1/completions" | "/completions" => Some(Endpoint::Completions),
+            "/v1/embeddings" | "/embeddings" => Some(Endpoint::Embeddings),
+            _ => None,
+        }
+    }
+
+    /// Stable name stored in the `endpoint` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions => "chat_completions",
+            Endpoint::Completions => "completions",
+            Endpoint::Embeddings => "embeddings",
+        }
+    }
+
+    /// The default `request_type` when the caller did not set one (the OpenTelemetry GenAI
+    /// operation name).
+    pub fn default_request_type(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions => "chat",
+            Endpoint::Completions => "text_completion",
+            Endpoint::Embeddings => "embeddings",
+        }
+    }
+}
+
+/// Where a token count came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenSource {
+    /// The engine's `usage` object (authoritative).
+    Usage,
+    /// Engine-specific fields other than `usage` (llama.cpp `timings`, TGI headers).
+    Engine,
+    /// Counted by the gateway with the model's tokenizer.
+    Tokenizer,
+    /// Counted from streamed chunks (one content-bearing chunk ≈ one token).
+    Chunks,
+    /// Estimated from text length (≈ 4 bytes per token).
+    Estimate,
+    /// Unknown.
+    #[default]
+    None,
+}
+
+impl TokenSource {
+    /// Stable name stored in the `*_tokens_source` columns.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenSource::Usage => "usage",
+            TokenSource::Engine => "engine",
+            TokenSource::Tokenizer => "tokenizer",
+            TokenSource::Chunks => "chunks",
+            TokenSource::Estimate => "estimate",
+            TokenSource::None => "none",
+        }
+    }
+
+    /// Parses [`TokenSource::as_str`] back.
+    pub fn parse(s: &str) -> Option<Self> {
+        [
+            TokenSource::Usage,
+            TokenSource::Engine,
+            TokenSource::Tokenizer,
+            TokenSource::Chunks,
+            TokenSource::Estimate,
+            TokenSource::None,
+        ]
+        .into_iter()
+        .find(|t| t.as_str() == s)
+    }
+}
+
+/// Where a phase duration (queue, prefill, decode) came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PhaseSource {
+    /// Reported by the engine for this very request.
+    Engine,
+    /// Derived by the gateway from other measurements (e.g. TTFT − prefill).
+    Derived,
+    /// Not known.
+    #[default]
+    None,
+}
+
+impl PhaseSource {
+    /// Stable name stored in the `*_source` columns.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PhaseSource::Engine => "engine",
+            PhaseSource::Derived => "derived",
+            PhaseSource::None => "none",
+        }
+    }
+}
+
+/// Input-length bucket, the article's four classes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum InputBucket {
+    /// 0–127 input tokens.
+    #[serde(rename = "0-128")]
+    B0To128,
+    /// 128–511 input tokens.
+    #[serde(rename = "128-512")]
+    B128To512,
+    /// 512–2047 input tokens.
+    #[serde(rename = "512-2048")]
+    B512To2048,
+    /// 2048 and more input tokens.
+    #[serde(rename = "2048+")]
+    B2048Plus,
+}
+
+impl InputBucket {
+    /// Every bucket, shortest first.
+    pub const ALL: [InputBucket; 4] = [
+        InputBucket::B0To128,
+        InputBucket::B128To512,
+        InputBucket::B512To2048,
+        InputBucket::B2048Plus,
+    ];
+
+    /// The bucket of a given input-token count. Lower bounds are inclusive:
+    /// 127 → `0-128`, 128 → `128-512`.
+    pub fn of(input_tokens: u64) -> Self {
+        match input_tokens {
+            0..=127 => InputBucket::B0To128,
+            128..=511 => InputBucket::B128To512,
+            512..=2047 => InputBucket::B512To2048,
+            _ => InputBucket::B2048Plus,
+        }
+    }
+
+    /// The label value (`0-128`, `128-512`, `512-2048`, `2048+`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InputBucket::B0To128 => "0-128",
+            InputBucket::B128To512 => "128-512",
+            InputBucket::B512To2048 => "512-2048",
+            InputBucket::B2048Plus => "2048+",
+        }
+    }
+}
+
+/// One row per request. See the module docs for units.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct RequestRecord {
+    /// Incoming `x-request-id`, or a new UUIDv7.
+    pub request_id: String,
+    /// W3C trace id (32 lower-case hex digits).
+    pub trace_id: String,
+    /// Wall-clock arrival time, Unix epoch microseconds.
+    pub created_at: i64,
+    /// The model the client asked for (`model` in the request body).
+    pub model: String,
+    /// The model the engine says it served (`model` in the response), when known.
+    pub model_served: Option<String>,
+    /// Name of the upstream the request was routed to.
+    pub upstream: String,
+    /// End user (header `x-tokenscope-user`, else the body's `user` field).
+    pub user_id: Option<String>,
+    /// Tenant (header `x-tokenscope-tenant`, else the API-key map).
+    pub tenant: Option<String>,
+    /// Business line (header `x-tokenscope-business-line`, else the API-key map).
+    pub business_line: Option<String>,
+    /// Request type (header `x-tokenscope-request-type`, else derived from the endpoint).
+    pub request_type: String,
+    /// A short, non-reversible fingerprint of the API key used (never the key itself).
+    pub api_key_id: Option<String>,
+    /// The measured endpoint.
+    pub endpoint: Endpoint,
+    /// Whether the client asked for a streamed response.
+    pub stream: bool,
+    /// HTTP status returned to the client.
+    pub http_status: u16,
+    /// How the request ended.
+    pub outcome: Outcome,
+    /// A low-cardinality error class when `outcome != ok`.
+    pub error_type: Option<String>,
+    /// `finish_reason` of the (first) choice.
+    pub finish_reason: Option<String>,
+    /// `max_tokens` / `max_completion_tokens` the client asked for.
+    pub max_tokens: Option<u64>,
+    /// Prompt tokens (including cached ones).
+    pub input_tokens: Option<u64>,
+    /// Completion tokens (including reasoning ones).
+    pub output_tokens: Option<u64>,
+    /// Prompt tokens served from the engine's prefix/KV cache.
+    pub cached_tokens: Option<u64>,
+    /// Reasoning tokens inside `output_tokens`.
+    pub reasoning_tokens: Option<u64>,
+    /// Where `input_tokens` came from.
+    pub input_tokens_source: TokenSource,
+    /// Where `output_tokens` came from.
+    pub output_tokens_source: TokenSource,
+    /// Input-length bucket of `input_tokens` (or the entry estimate when unknown).
+    pub input_bucket: Option<InputBucket>,
+    /// Time queued in the engine before scheduling.
+    pub queue_duration_ms: Option<f64>,
+    /// Prefill time (scheduled → first token) in the engine.
+    pub prefill_duration_ms: Option<f64>,
+    /// Decode time (first → last token) in the engine.
+    pub decode_duration_ms: Option<f64>,
+    /// Source of `queue_duration_ms`.
+    pub queue_source: PhaseSource,
+    /// Source of `prefill_duration_ms`.
+    pub prefill_source: PhaseSource,
+    /// Source of `decode_duration_ms`.
+    pub decode_source: PhaseSource,
+    /// Time to first token: arrival at the gateway → first content-bearing chunk.
+    pub ttft_ms: Option<f64>,
+    /// Time per output token: `(t_last − t_first)/(n_out − 1)`, `n_out ≥ 2` only.
+    pub tpot_ms: Option<f64>,
+    /// Largest gap between two consecutive content-bearing chunks.
+    pub itl_max_ms: Option<f64>,
+    /// Mean gap between two consecutive content-bearing chunks.
+    pub itl_mean_ms: Option<f64>,
+    /// Arrival → last byte delivered (or failure / cancellation).
+    pub total_duration_ms: f64,
+    /// Arrival → upstream response headers.
+    pub upstream_headers_ms: Option<f64>,
+    /// Time spent in the gateway itself before the request left for the upstream.
+    pub gateway_overhead_ms: Option<f64>,
+    /// Number of content-bearing chunks streamed to the client.
+    pub chunks: Option<u64>,
+    /// Hex SHA-256 (first 16 bytes) of the normalised prompt.
+    pub prompt_hash: Option<String>,
+    /// The prompt text, only when `store_prompts = true` in the config.
+    pub prompt_text: Option<String>,
+    /// Speculative decoding: draft tokens proposed (llama.cpp `draft_n`).
+    pub draft_tokens: Option<u64>,
+    /// Speculative decoding: draft tokens accepted (llama.cpp `draft_n_accepted`).
+    pub draft_accepted_tokens: Option<u64>,
+}
+
+impl RequestRecord {
+    /// `true` for the `ok` outcome.
+    pub fn is_success(&self) -> bool {
+        self.outcome == Outcome::Ok
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bucket_boundaries() {
+        assert_eq!(InputBucket::of(0), InputBucket::B0To128);
+        assert_eq!(InputBucket::of(127), InputBucket::B0To128);
+        assert_eq!(InputBucket::of(128), InputBucket::B128To512);
+        assert_eq!(InputBucket::of(511), InputBucket::B128To512);
+        assert_eq!(InputBucket::of(512), InputBucket::B512To2048);
+        assert_eq!(InputBucket::of(2047), InputBucket::B512To2048);
+        assert_eq!(InputBucket::of(2048), InputBucket::B2048Plus);
+        assert_eq!(InputBucket::of(u64::MAX), InputBucket::B2048Plus);
+    }
+
+    #[test]
+    fn outcome_round_trip() {
+        for o in Outcome::ALL {
+            assert_eq!(Outcome::parse(o.as_str()), Some(o));
+        }
+    }
+
+    #[test]
+    fn endpoint_paths() {
+        assert_eq!(
+            Endpoint::from_path("/v1/chat/completions"),
+            Some(Endpoint::ChatCompletions)
+        );
+        assert_eq!(Endpoint::from_path("/v1/completions/"), Some(Endpoint::Completions));
+        assert_eq!(Endpoint::from_path("/v1/embeddings"), Some(Endpoint::Embeddings));
+        assert_eq!(Endpoint::from_path("/v1/models"), None);
+    }
+}

@@ -1,1 +1,260 @@
-fn main() {}
+//! `tokenscope` — per-request token and latency observability for LLM inference.
+//!
+//! This binary is glue: argument parsing, logging, signals, and wiring of the library crates.
+//! `anyhow` is used here only.
+
+mod demo;
+mod duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokenscope_gateway::{Gateway, GatewayConfig};
+use tokenscope_store::{render, run_report, Dimension, Format, ReportQuery, SqliteStore};
+
+#[derive(Parser)]
+#[command(name = "tokenscope", version, about = "Per-request token and latency observability for LLM inference")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the measuring gateway (OpenAI-compatible reverse proxy).
+    Serve(ServeArgs),
+    /// Report latency and token percentiles from the store.
+    Report(ReportArgs),
+    /// Run the built-in simulated engine (OpenAI-compatible).
+    MockEngine(MockArgs),
+    /// Mock engine + gateway + mixed traffic, then print the report.
+    Demo(demo::DemoArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Upstream engine base URL (repeat for several; routing by model needs --config).
+    /// Without any upstream, the built-in mock engine is started and used.
+    #[arg(long, env = "TOKENSCOPE_UPSTREAM")]
+    upstream: Option<String>,
+    /// Proxy listen address [default: 127.0.0.1:4000].
+    #[arg(long)]
+    listen: Option<String>,
+    /// Admin listen address for /metrics and the admin API [default: 127.0.0.1:9464].
+    #[arg(long)]
+    admin_listen: Option<String>,
+    /// Store: path of the SQLite file [default: ./tokenscope.db].
+    #[arg(long)]
+    store: Option<String>,
+    /// TOML configuration file.
+    #[arg(long, env = "TOKENSCOPE_CONFIG")]
+    config: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    /// Store: path of the SQLite file.
+    #[arg(long, default_value = "./tokenscope.db")]
+    store: String,
+    /// Window start, relative to now (e.g. 15m, 1h, 7d).
+    #[arg(long, default_value = "1h")]
+    since: String,
+    /// Window end, relative to now (default: now).
+    #[arg(long)]
+    until: Option<String>,
+    /// Group by (comma-separated): model, input_bucket, user, tenant, business_line,
+    /// request_type, status, endpoint, upstream, stream.
+    #[arg(long, value_delimiter = ',')]
+    by: Vec<String>,
+    /// Split the window into buckets of this length (e.g. 1h, 1d).
+    #[arg(long)]
+    interval: Option<String>,
+    /// Keep only rows where DIMENSION=VALUE (repeatable).
+    #[arg(long = "filter", value_name = "DIM=VALUE")]
+    filters: Vec<String>,
+    /// table, json or csv.
+    #[arg(long, default_value = "table")]
+    format: String,
+}
+
+#[derive(Args)]
+struct MockArgs {
+    /// Listen address.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    listen: String,
+    /// Parallel slots (continuous batching).
+    #[arg(long, default_value_t = 8)]
+    slots: usize,
+    /// Seed of the output-length distribution.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Multiply every simulated duration (0.1 = ten times faster).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TOKENSCOPE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
+
+fn now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let mut cfg = GatewayConfig::load(args.config.as_deref())?;
+    if let Some(u) = &args.upstream {
+        cfg.set_single_upstream(u);
+    }
+    if let Some(l) = args.listen {
+        cfg.listen = l;
+    }
+    if let Some(l) = args.admin_listen {
+        cfg.admin_listen = l;
+    }
+    if let Some(s) = args.store {
+        cfg.store = s;
+    }
+    let mut mock_task = None;
+    if cfg.upstreams.is_empty() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        tracing::info!(%addr, "No upstream given: serving the built-in mock engine.");
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(tokenscope_mock::serve(
+            listener,
+            tokenscope_mock::MockConfig::default(),
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        mock_task = Some((tx, task));
+        cfg.set_single_upstream(&format!("http://{addr}"));
+    }
+    let gw = Gateway::bind(cfg.clone()).await?;
+    // One machine-readable line on stdout: tests and scripts read the bound ports from it.
+    println!(
+        "tokenscope listening proxy={} admin={} store={}",
+        gw.proxy_addr(),
+        gw.admin_addr(),
+        cfg.store
+    );
+    tracing::info!(proxy = %gw.proxy_addr(), admin = %gw.admin_addr(), store = %cfg.store,
+        upstreams = ?cfg.upstreams.iter().map(|u| &u.url).collect::<Vec<_>>(), "Gateway ready.");
+    let summary = gw.run(shutdown_signal()).await?;
+    if let Some((tx, task)) = mock_task {
+        let _ = tx.send(());
+        let _ = task.await;
+    }
+    tracing::info!(
+        written = summary.store.written,
+        dropped = summary.store.dropped,
+        lost = summary.store.lost,
+        "Stopped."
+    );
+    Ok(())
+}
+
+fn report(args: ReportArgs) -> Result<()> {
+    let since = duration::parse(&args.since).context("--since")?;
+    let now = now_us();
+    let until_us = match &args.until {
+        Some(u) => Some(now - duration::parse(u).context("--until")?.as_micros() as i64),
+        None => None,
+    };
+    let group_by = args
+        .by
+        .iter()
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| s.parse::<Dimension>())
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut filters = Vec::new();
+    for f in &args.filters {
+        let Some((k, v)) = f.split_once('=') else {
+            bail!("--filter expects DIMENSION=VALUE, got {f:?}");
+        };
+        filters.push((k.parse::<Dimension>()?, v.to_owned()));
+    }
+    let interval = args
+        .interval
+        .as_deref()
+        .map(duration::parse)
+        .transpose()
+        .context("--interval")?;
+    let format: Format = args.format.parse()?;
+    if !std::path::Path::new(&args.store).exists() {
+        bail!("store {} does not exist (run `tokenscope serve` or `tokenscope demo` first)", args.store);
+    }
+    let store = SqliteStore::open_read_only(&args.store)
+        .with_context(|| format!("opening store {}", args.store))?;
+    let q = ReportQuery {
+        since_us: now - since.as_micros() as i64,
+        until_us,
+        group_by,
+        interval,
+        filters,
+    };
+    let rows = run_report(&store, &q)?;
+    print!("{}", render(&rows, &q, format));
+    Ok(())
+}
+
+async fn mock_engine(args: MockArgs) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    println!("tokenscope mock-engine listening on {}", listener.local_addr()?);
+    let cfg = tokenscope_mock::MockConfig {
+        slots: args.slots,
+        seed: args.seed,
+        time_scale: args.time_scale,
+        ..tokenscope_mock::MockConfig::default()
+    };
+    tokenscope_mock::serve(listener, cfg, shutdown_signal()).await?;
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    init_logging();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    match cli.cmd {
+        Cmd::Serve(a) => rt.block_on(serve(a)),
+        Cmd::Report(a) => report(a),
+        Cmd::MockEngine(a) => rt.block_on(mock_engine(a)),
+        Cmd::Demo(a) => rt.block_on(demo::run(a)),
+    }
+}

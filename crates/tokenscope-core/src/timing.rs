@@ -31,6 +31,7 @@ pub fn tpot_ms(first: Instant, last: Instant, n_out: u64) -> Option<f64> {
 #[derive(Debug, Clone)]
 pub struct StreamTimer {
     arrival: Instant,
+    body_received: Option<Instant>,
     upstream_sent: Option<Instant>,
     headers: Option<Instant>,
     first_token: Option<Instant>,
@@ -45,6 +46,7 @@ impl StreamTimer {
     pub fn new(arrival: Instant) -> Self {
         Self {
             arrival,
+            body_received: None,
             upstream_sent: None,
             headers: None,
             first_token: None,
@@ -58,6 +60,11 @@ impl StreamTimer {
     /// The arrival instant.
     pub fn arrival(&self) -> Instant {
         self.arrival
+    }
+
+    /// The whole request body had been received from the client at `t`.
+    pub fn mark_body_received(&mut self, t: Instant) {
+        self.body_received.get_or_insert(t);
     }
 
     /// The request was handed to the upstream connection at `t`.
@@ -125,10 +132,12 @@ impl StreamTimer {
             .map(|t| ms(t.saturating_duration_since(self.arrival)))
     }
 
-    /// Arrival → request handed to the upstream: the gateway's own overhead before forwarding.
+    /// The gateway's own processing before forwarding: request body fully received (or arrival
+    /// when not marked) → request handed to the upstream. Excludes the client's upload time.
     pub fn overhead_ms(&self) -> Option<f64> {
+        let from = self.body_received.unwrap_or(self.arrival);
         self.upstream_sent
-            .map(|t| ms(t.saturating_duration_since(self.arrival)))
+            .map(|t| ms(t.saturating_duration_since(from)))
     }
 
     /// Arrival → `end`.

@@ -1,1 +1,321 @@
-//! placeholder
+//! # tokenscope-gateway
+//!
+//! The OpenAI-compatible reverse proxy that measures every inference request.
+//!
+//! * [`config`] — TOML + environment configuration.
+//! * `proxy` — the request path (measured endpoints and pass-through).
+//! * `body` — [`body::MeteredBody`], the response body wrapper that forwards and measures.
+//! * `recording` — the exactly-one-record guarantee ([`recording::RecordOut`]).
+//! * `admin` — `/metrics` and the admin API on a separate listener.
+//!
+//! Invariants (the hot-path/sink boundary):
+//! * The request path never awaits a store, an exporter or a lock held across I/O. A finished
+//!   record goes to in-memory metrics and a bounded queue (`try_send`); the store writer runs on
+//!   its own thread.
+//! * Every measured request yields exactly one record, whatever happens to it.
+//! * What the client receives is what the engine sent, except the usage-only SSE event that the
+//!   gateway itself asked for.
+#![deny(missing_docs)]
+
+mod admin;
+pub mod body;
+pub mod config;
+mod proxy;
+pub mod recording;
+
+pub use config::{ConfigError, GatewayConfig, UpstreamConfig};
+pub use proxy::{REQUEST_ID, TRACE_ID};
+
+use axum::routing::{any, post};
+use axum::Router;
+use http::Uri;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use parking_lot::Mutex;
+use recording::RecordOut;
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokenscope_core::RequestRecord;
+use tokenscope_store::{
+    spawn_pipeline, DropReason, PipelineConfig, PipelineHandle, PipelineObserver, Recorder,
+    ShutdownReport, SqliteStore, StoreError,
+};
+use tokenscope_telemetry::{Metrics, MetricsConfig, UserLabelMode};
+
+/// Errors starting or running the gateway.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// Bad configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The store could not be opened.
+    #[error("cannot open store {path}: {source}")]
+    Store {
+        /// The store location.
+        path: String,
+        /// Cause.
+        source: StoreError,
+    },
+    /// A server loop failed.
+    #[error("server error: {0}")]
+    Serve(#[from] std::io::Error),
+}
+
+pub(crate) struct Upstream {
+    name: String,
+    base: Uri,
+    cfg: UpstreamConfig,
+}
+
+/// State shared by every request. Nothing in it is locked across I/O.
+pub(crate) struct Shared {
+    cfg: GatewayConfig,
+    client: Client<HttpConnector, axum::body::Body>,
+    upstreams: Vec<Upstream>,
+    api_keys: HashMap<String, config::ApiKeyConfig>,
+    metrics: Arc<Metrics>,
+    out: Arc<dyn RecordOut>,
+    recent: Mutex<VecDeque<Arc<RequestRecord>>>,
+}
+
+impl Shared {
+    /// The upstream for `model`: the first whose patterns match, else the default.
+    fn route(&self, model: Option<&str>) -> Option<&Upstream> {
+        model
+            .and_then(|m| self.upstreams.iter().find(|u| u.cfg.serves(m)))
+            .or_else(|| self.upstreams.iter().find(|u| u.cfg.default))
+            .or_else(|| self.upstreams.first())
+    }
+
+    /// Called exactly once per request by [`recording`].
+    fn finish_record(&self, rec: RequestRecord) {
+        self.metrics.observe(&rec);
+        if self.cfg.recent_records > 0 {
+            let mut recent = self.recent.lock();
+            if recent.len() >= self.cfg.recent_records {
+                recent.pop_front();
+            }
+            recent.push_back(Arc::new(rec.clone()));
+        }
+        self.out.submit(rec);
+    }
+}
+
+/// Feeds pipeline events into the Prometheus metrics.
+struct MetricsObserver(Arc<Metrics>);
+
+impl PipelineObserver for MetricsObserver {
+    fn on_enqueued(&self) {
+        self.0.record_enqueued();
+    }
+    fn on_dropped(&self, reason: DropReason) {
+        self.0.record_dropped(reason.as_str(), 1, false);
+    }
+    fn on_written(&self, rows: usize, latency: Duration) {
+        self.0.records_written(rows as u64, latency);
+    }
+    fn on_write_error(&self, rows: usize, _err: &StoreError) {
+        self.0.store_write_error();
+        self.0.record_dropped("write_failed", rows as u64, true);
+    }
+}
+
+impl RecordOut for Recorder {
+    fn submit(&self, rec: RequestRecord) {
+        self.record(rec);
+    }
+}
+
+/// A bound, not yet running gateway.
+pub struct Gateway {
+    shared: Arc<Shared>,
+    proxy: tokio::net::TcpListener,
+    admin: tokio::net::TcpListener,
+    pipeline: PipelineHandle,
+}
+
+/// What shutdown did.
+#[derive(Debug, Clone, Copy)]
+pub struct ShutdownSummary {
+    /// In-flight requests did not finish within the grace period and were cut.
+    pub cut_in_flight: bool,
+    /// The store pipeline's report.
+    pub store: ShutdownReport,
+}
+
+impl Gateway {
+    /// Opens the store, binds both listeners (port 0 allowed) and prepares the proxy.
+    pub async fn bind(cfg: GatewayConfig) -> Result<Self, GatewayError> {
+        cfg.validate()?;
+        let metrics = Arc::new(Metrics::new(MetricsConfig {
+            max_models: cfg.metrics.max_models,
+            max_request_types: cfg.metrics.max_request_types,
+            user_label: match cfg.metrics.user_label {
+                config::UserLabel::Hash => UserLabelMode::Hash {
+                    buckets: cfg.metrics.user_buckets,
+                },
+                config::UserLabel::TopK => UserLabelMode::TopK {
+                    k: cfg.metrics.user_top_k,
+                },
+            },
+        }));
+        let store = SqliteStore::open(&cfg.store).map_err(|source| GatewayError::Store {
+            path: cfg.store.clone(),
+            source,
+        })?;
+        let (recorder, pipeline) = spawn_pipeline(
+            Box::new(store),
+            PipelineConfig {
+                capacity: cfg.pipeline.capacity,
+                batch_size: cfg.pipeline.batch_size,
+                flush_interval: Duration::from_millis(cfg.pipeline.flush_interval_ms),
+                ..PipelineConfig::default()
+            },
+            Arc::new(MetricsObserver(metrics.clone())),
+        );
+        let bind = |addr: String| async move {
+            tokio::net::TcpListener::bind(&addr)
+                .await
+                .map_err(|source| GatewayError::Bind { addr, source })
+        };
+        let proxy = bind(cfg.listen.clone()).await?;
+        let admin = bind(cfg.admin_listen.clone()).await?;
+
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(cfg.connect_timeout()));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(connector);
+        let mut upstreams = Vec::new();
+        for u in &cfg.upstreams {
+            let base: Uri = u
+                .url
+                .parse()
+                .map_err(|e| ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)))?;
+            upstreams.push(Upstream {
+                name: u.name.clone(),
+                base,
+                cfg: u.clone(),
+            });
+        }
+        let shared = Arc::new(Shared {
+            api_keys: cfg.api_key_map(),
+            cfg,
+            client,
+            upstreams,
+            metrics,
+            out: Arc::new(recorder),
+            recent: Mutex::new(VecDeque::new()),
+        });
+        Ok(Self {
+            shared,
+            proxy,
+            admin,
+            pipeline,
+        })
+    }
+
+    /// The proxy's bound address.
+    pub fn proxy_addr(&self) -> SocketAddr {
+        self.proxy
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    /// The admin listener's bound address.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    /// Serves until `shutdown` resolves, then stops accepting, lets in-flight requests finish
+    /// (up to `shutdown_grace_ms`), drains the store pipeline and returns.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<ShutdownSummary, GatewayError> {
+        let Gateway {
+            shared,
+            proxy,
+            admin,
+            pipeline,
+        } = self;
+        let pipeline = Arc::new(pipeline);
+        let app = Router::new()
+            .route("/v1/chat/completions", post(proxy::measured))
+            .route("/v1/completions", post(proxy::measured))
+            .route("/v1/embeddings", post(proxy::measured))
+            .route("/chat/completions", post(proxy::measured))
+            .route("/completions", post(proxy::measured))
+            .route("/embeddings", post(proxy::measured))
+            .fallback(any(proxy::passthrough))
+            .with_state(shared.clone());
+        let admin_app = admin::router(shared.clone(), pipeline.clone());
+
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|v| *v).await;
+        };
+        let proxy_task = tokio::spawn(
+            axum::serve(proxy, app)
+                .with_graceful_shutdown(wait(stop_rx.clone()))
+                .into_future(),
+        );
+        let admin_task = tokio::spawn(
+            axum::serve(admin, admin_app)
+                .with_graceful_shutdown(wait(stop_rx.clone()))
+                .into_future(),
+        );
+        shutdown.await;
+        tracing::info!("Shutting down: no new connections; waiting for in-flight requests.");
+        let _ = stop_tx.send(true);
+        let grace = Duration::from_millis(shared.cfg.shutdown_grace_ms);
+        let abort = proxy_task.abort_handle();
+        let cut_in_flight = match tokio::time::timeout(grace, proxy_task).await {
+            Ok(_) => false,
+            Err(_) => {
+                tracing::warn!("In-flight requests outlived the grace period; closing them.");
+                abort.abort();
+                true
+            }
+        };
+        let admin_abort = admin_task.abort_handle();
+        if tokio::time::timeout(Duration::from_secs(2), admin_task).await.is_err() {
+            admin_abort.abort();
+        }
+        // Every record is final now (aborted requests were recorded as cancelled on drop).
+        drop(shared);
+        let store = tokio::task::spawn_blocking(move || match Arc::try_unwrap(pipeline) {
+            Ok(p) => p.shutdown(Duration::from_secs(30)),
+            Err(p) => {
+                p.flush();
+                ShutdownReport::default()
+            }
+        })
+        .await
+        .unwrap_or_default();
+        tracing::info!(
+            written = store.written,
+            dropped = store.dropped,
+            lost = store.lost,
+            "Store drained."
+        );
+        Ok(ShutdownSummary {
+            cut_in_flight,
+            store,
+        })
+    }
+}
+
+use std::future::IntoFuture;

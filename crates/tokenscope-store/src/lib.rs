@@ -1,1 +1,35 @@
-//! placeholder
+//! # tokenscope-store
+//!
+//! The embedded per-request store and everything between the request path and it.
+//!
+//! * [`sqlite`] — [`SqliteStore`]: the `llm_inference_log` table (one column per
+//!   [`RequestRecord`](tokenscope_core::RequestRecord) field, same names), versioned
+//!   migrations, WAL mode, batched idempotent inserts, and the row ↔ record mapping.
+//! * [`pipeline`] — the hot-path/sink boundary: a bounded queue that the request path feeds
+//!   without ever waiting ([`Recorder::record`]), and a dedicated writer thread that batches
+//!   rows into a [`RecordSink`] with retries. Every record is either written, or counted as
+//!   dropped / lost.
+//! * [`report`] — grouped reports with **exact** nearest-rank percentiles (TTFT, TPOT,
+//!   end-to-end), success rate, QPS and token sums, rendered as a table, JSON or CSV.
+//!
+//! Invariants:
+//! * The request path never performs I/O, never blocks and never awaits on the store: it only
+//!   does a `try_send` into a bounded channel.
+//! * The queue is bounded (`PipelineConfig::capacity`); when it is full the record is dropped
+//!   and counted (observer + counter), never silently.
+//! * A row is keyed by `request_id`; re-inserting a batch (a retry) never doubles rows.
+//! * Percentiles are computed from every matching value, never from averages or histograms.
+#![deny(missing_docs)]
+
+pub mod error;
+pub mod pipeline;
+pub mod report;
+pub mod sqlite;
+
+pub use error::StoreError;
+pub use pipeline::{
+    spawn_pipeline, DropReason, NoopObserver, PipelineConfig, PipelineHandle, PipelineObserver,
+    RecordSink, Recorder, ShutdownReport,
+};
+pub use report::{render, run_report, Dimension, Format, Quantiles, ReportQuery, ReportRow};
+pub use sqlite::SqliteStore;

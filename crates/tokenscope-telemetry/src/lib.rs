@@ -1,1 +1,451 @@
-//! placeholder
+//! # tokenscope-telemetry
+//!
+//! The Prometheus side of tokenscope: every metric the gateway exposes on `/metrics`, with
+//! typed label sets (prometheus-client), and the rules that keep label cardinality bounded.
+//!
+//! Invariants:
+//! * Metrics are updated once per request, when its record is final ([`Metrics::observe`]),
+//!   plus the in-flight gauge at start/end. Nothing here is touched per streamed chunk.
+//! * No label takes unbounded values: request ids never appear; users become a `user_bucket`
+//!   ([`UserLabeler`]); models beyond `max_models` distinct names become `other`
+//!   ([`ModelLabeler`]).
+//! * Names follow R2/R4 of the requirements: `llm_request_latency_seconds{model,request_type,status}`,
+//!   `llm_ttft_seconds{model,input_bucket}`, `llm_tpot_seconds{model}`,
+//!   `llm_tokens_total{model,token_type,user_bucket}`, `llm_requests_total{model,request_type,status}`,
+//!   `llm_requests_in_flight{model}`, and the gateway's own `tokenscope_*` health metrics.
+#![deny(missing_docs)]
+
+mod labels;
+
+pub use labels::{ModelLabeler, UserLabelMode, UserLabeler};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+use tokenscope_core::RequestRecord;
+
+/// End-to-end latency buckets (seconds), from the requirements (R2).
+pub const LATENCY_BUCKETS: [f64; 10] = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// TTFT buckets (seconds), from the requirements (R2).
+pub const TTFT_BUCKETS: [f64; 9] = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+/// TPOT buckets (seconds).
+pub const TPOT_BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
+];
+/// Store write latency buckets (seconds).
+pub const STORE_WRITE_BUCKETS: [f64; 10] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5,
+];
+
+/// `{model, request_type, status}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// Bounded model label.
+    pub model: String,
+    /// Request type (chat, summary, …) — bounded by [`ModelLabeler`]-style limiting too.
+    pub request_type: String,
+    /// Outcome (`ok`, `client_error`, `upstream_error`, `timeout`, `cancelled`).
+    pub status: &'static str,
+}
+
+/// `{model, input_bucket}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TtftLabels {
+    /// Bounded model label.
+    pub model: String,
+    /// `0-128`, `128-512`, `512-2048`, `2048+`, or `unknown`.
+    pub input_bucket: &'static str,
+}
+
+/// `{model}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    /// Bounded model label.
+    pub model: String,
+}
+
+/// `{model, token_type, user_bucket}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TokenLabels {
+    /// Bounded model label.
+    pub model: String,
+    /// `input`, `output` or `cached`.
+    pub token_type: &'static str,
+    /// Hashed or top-K user label.
+    pub user_bucket: String,
+}
+
+/// `{reason}` for dropped records.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// Why the record was dropped (`queue_full`, `closed`, `write_failed`).
+    pub reason: &'static str,
+}
+
+/// Label options.
+#[derive(Debug, Clone)]
+pub struct MetricsConfig {
+    /// Distinct model label values before new ones become `other`.
+    pub max_models: usize,
+    /// Distinct request types before new ones become `other`.
+    pub max_request_types: usize,
+    /// How users become a label.
+    pub user_label: UserLabelMode,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            max_models: 50,
+            max_request_types: 20,
+            user_label: UserLabelMode::Hash { buckets: 16 },
+        }
+    }
+}
+
+type HistFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Every metric tokenscope exposes. Cheap to share behind an `Arc`.
+pub struct Metrics {
+    registry: Registry,
+    models: ModelLabeler,
+    request_types: ModelLabeler,
+    users: UserLabeler,
+    request_latency: HistFamily<RequestLabels>,
+    ttft: HistFamily<TtftLabels>,
+    tpot: HistFamily<ModelLabels>,
+    tokens: Family<TokenLabels, Counter>,
+    requests: Family<RequestLabels, Counter>,
+    in_flight: Family<ModelLabels, Gauge>,
+    records_enqueued: Counter,
+    records_written: Counter,
+    records_dropped: Family<ReasonLabels, Counter>,
+    records_queued: Gauge<i64, std::sync::atomic::AtomicI64>,
+    store_write: Histogram,
+    store_write_errors: Counter,
+    gateway_overhead: Histogram,
+    upstream_bytes: Counter<u64, AtomicU64>,
+}
+
+impl Metrics {
+    /// Builds the registry.
+    pub fn new(cfg: MetricsConfig) -> Self {
+        let mut registry = Registry::default();
+        let request_latency: HistFamily<RequestLabels> =
+            Family::new_with_constructor(|| Histogram::new(LATENCY_BUCKETS));
+        let ttft: HistFamily<TtftLabels> =
+            Family::new_with_constructor(|| Histogram::new(TTFT_BUCKETS));
+        let tpot: HistFamily<ModelLabels> =
+            Family::new_with_constructor(|| Histogram::new(TPOT_BUCKETS));
+        let tokens = Family::<TokenLabels, Counter>::default();
+        let requests = Family::<RequestLabels, Counter>::default();
+        let in_flight = Family::<ModelLabels, Gauge>::default();
+        registry.register_with_unit(
+            "llm_request_latency",
+            "End-to-end request latency as seen by the gateway",
+            Unit::Seconds,
+            request_latency.clone(),
+        );
+        registry.register_with_unit(
+            "llm_ttft",
+            "Time to first token (arrival to first content chunk), streamed requests",
+            Unit::Seconds,
+            ttft.clone(),
+        );
+        registry.register_with_unit(
+            "llm_tpot",
+            "Time per output token, (t_last - t_first)/(n_out - 1), n_out >= 2",
+            Unit::Seconds,
+            tpot.clone(),
+        );
+        registry.register(
+            "llm_tokens",
+            "Tokens by type (input includes cached; cached is also counted alone)",
+            tokens.clone(),
+        );
+        registry.register("llm_requests", "Measured requests by outcome", requests.clone());
+        registry.register(
+            "llm_requests_in_flight",
+            "Requests currently being served",
+            in_flight.clone(),
+        );
+
+        let records_enqueued = Counter::default();
+        let records_written = Counter::default();
+        let records_dropped = Family::<ReasonLabels, Counter>::default();
+        let records_queued = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
+        let store_write = Histogram::new(STORE_WRITE_BUCKETS);
+        let store_write_errors = Counter::default();
+        let gateway_overhead = Histogram::new([
+            0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05,
+        ]);
+        let upstream_bytes = Counter::<u64, AtomicU64>::default();
+        registry.register(
+            "tokenscope_records_enqueued",
+            "Records handed to the store pipeline",
+            records_enqueued.clone(),
+        );
+        registry.register(
+            "tokenscope_records_written",
+            "Records written to the store",
+            records_written.clone(),
+        );
+        registry.register(
+            "tokenscope_records_dropped",
+            "Records lost, by reason (must stay 0 in normal operation)",
+            records_dropped.clone(),
+        );
+        registry.register(
+            "tokenscope_records_queued",
+            "Records waiting in the store pipeline",
+            records_queued.clone(),
+        );
+        registry.register_with_unit(
+            "tokenscope_store_write",
+            "Latency of one batch write to the store",
+            Unit::Seconds,
+            store_write.clone(),
+        );
+        registry.register(
+            "tokenscope_store_write_errors",
+            "Failed batch writes (each is retried before rows count as dropped)",
+            store_write_errors.clone(),
+        );
+        registry.register_with_unit(
+            "tokenscope_gateway_overhead",
+            "Time from arrival to the request leaving for the upstream",
+            Unit::Seconds,
+            gateway_overhead.clone(),
+        );
+        registry.register_with_unit(
+            "tokenscope_response",
+            "Response body bytes forwarded to clients",
+            Unit::Bytes,
+            upstream_bytes.clone(),
+        );
+        Self {
+            registry,
+            models: ModelLabeler::new(cfg.max_models),
+            request_types: ModelLabeler::new(cfg.max_request_types),
+            users: UserLabeler::new(cfg.user_label),
+            request_latency,
+            ttft,
+            tpot,
+            tokens,
+            requests,
+            in_flight,
+            records_enqueued,
+            records_written,
+            records_dropped,
+            records_queued,
+            store_write,
+            store_write_errors,
+            gateway_overhead,
+            upstream_bytes,
+        }
+    }
+
+    /// The bounded label for a model name.
+    pub fn model_label(&self, model: &str) -> String {
+        self.models.label(model)
+    }
+
+    /// Marks a request as started; the returned guard decrements `llm_requests_in_flight` when
+    /// dropped (so a panic or cancellation cannot leak the gauge).
+    pub fn start_request(&self, model: &str) -> InFlightGuard {
+        let gauge = self
+            .in_flight
+            .get_or_create(&ModelLabels {
+                model: self.models.label(model),
+            })
+            .clone();
+        gauge.inc();
+        InFlightGuard { gauge }
+    }
+
+    /// Records a finished request in every request-level metric.
+    pub fn observe(&self, rec: &RequestRecord) {
+        let model = self.models.label(&rec.model);
+        let request_type = self.request_types.label(&rec.request_type);
+        let status = rec.outcome.as_str();
+        let req = RequestLabels {
+            model: model.clone(),
+            request_type,
+            status,
+        };
+        self.request_latency
+            .get_or_create(&req)
+            .observe(rec.total_duration_ms / 1000.0);
+        self.requests.get_or_create(&req).inc();
+        if let Some(ttft) = rec.ttft_ms {
+            self.ttft
+                .get_or_create(&TtftLabels {
+                    model: model.clone(),
+                    input_bucket: rec.input_bucket.map_or("unknown", |b| b.as_str()),
+                })
+                .observe(ttft / 1000.0);
+        }
+        if let Some(tpot) = rec.tpot_ms {
+            self.tpot
+                .get_or_create(&ModelLabels {
+                    model: model.clone(),
+                })
+                .observe(tpot / 1000.0);
+        }
+        let user_bucket = self
+            .users
+            .label(rec.user_id.as_deref(), rec.input_tokens.unwrap_or(0) + rec.output_tokens.unwrap_or(0));
+        for (token_type, n) in [
+            ("input", rec.input_tokens),
+            ("output", rec.output_tokens),
+            ("cached", rec.cached_tokens),
+        ] {
+            if let Some(n) = n.filter(|n| *n > 0) {
+                self.tokens
+                    .get_or_create(&TokenLabels {
+                        model: model.clone(),
+                        token_type,
+                        user_bucket: user_bucket.clone(),
+                    })
+                    .inc_by(n);
+            }
+        }
+        if let Some(o) = rec.gateway_overhead_ms {
+            self.gateway_overhead.observe(o / 1000.0);
+        }
+    }
+
+    /// Adds forwarded response bytes.
+    pub fn add_response_bytes(&self, n: u64) {
+        self.upstream_bytes.inc_by(n);
+    }
+
+    /// A record entered the store pipeline.
+    pub fn record_enqueued(&self) {
+        self.records_enqueued.inc();
+        self.records_queued.inc();
+    }
+
+    /// A record was dropped for `reason` before reaching the store.
+    pub fn record_dropped(&self, reason: &'static str, rows: u64, was_queued: bool) {
+        self.records_dropped
+            .get_or_create(&ReasonLabels { reason })
+            .inc_by(rows);
+        if was_queued {
+            self.records_queued.dec_by(rows as i64);
+        }
+    }
+
+    /// A batch of `rows` was written in `latency`.
+    pub fn records_written(&self, rows: u64, latency: Duration) {
+        self.records_written.inc_by(rows);
+        self.records_queued.dec_by(rows as i64);
+        self.store_write.observe(latency.as_secs_f64());
+    }
+
+    /// A batch write failed (it may be retried).
+    pub fn store_write_error(&self) {
+        self.store_write_errors.inc();
+    }
+
+    /// Total records dropped so far, all reasons.
+    pub fn dropped_total(&self) -> u64 {
+        ["queue_full", "closed", "write_failed"]
+            .into_iter()
+            .map(|reason| self.records_dropped.get_or_create(&ReasonLabels { reason }).get())
+            .sum()
+    }
+
+    /// Encodes the registry in the OpenMetrics text format.
+    pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(16 * 1024);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    /// Registry access for other components that add their own metrics.
+    pub fn registry_mut(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+}
+
+/// Decrements `llm_requests_in_flight{model}` on drop.
+#[derive(Debug)]
+pub struct InFlightGuard {
+    gauge: Gauge,
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenscope_core::{InputBucket, Outcome};
+
+    fn rec(model: &str, outcome: Outcome) -> RequestRecord {
+        RequestRecord {
+            model: model.into(),
+            request_type: "chat".into(),
+            outcome,
+            total_duration_ms: 120.0,
+            ttft_ms: Some(30.0),
+            tpot_ms: Some(5.0),
+            input_tokens: Some(10),
+            output_tokens: Some(20),
+            input_bucket: Some(InputBucket::B0To128),
+            user_id: Some("alice".into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn observe_updates_families() {
+        let m = Metrics::new(MetricsConfig::default());
+        {
+            let _g = m.start_request("m1");
+            assert!(m.encode().contains("llm_requests_in_flight{model=\"m1\"} 1"));
+        }
+        m.observe(&rec("m1", Outcome::Ok));
+        m.observe(&rec("m1", Outcome::Timeout));
+        let text = m.encode();
+        assert!(text.contains("llm_requests_in_flight{model=\"m1\"} 0"), "{text}");
+        assert!(text.contains(
+            "llm_requests_total{model=\"m1\",request_type=\"chat\",status=\"ok\"} 1"
+        ));
+        assert!(text.contains(
+            "llm_requests_total{model=\"m1\",request_type=\"chat\",status=\"timeout\"} 1"
+        ));
+        assert!(text.contains(
+            "llm_ttft_seconds_count{model=\"m1\",input_bucket=\"0-128\"} 2"
+        ));
+        assert!(text.contains("llm_tpot_seconds_count{model=\"m1\"} 2"));
+        assert!(text.contains("token_type=\"output\""));
+        assert!(!text.contains("alice"), "user ids must not be labels");
+    }
+
+    #[test]
+    fn models_beyond_limit_become_other() {
+        let m = Metrics::new(MetricsConfig {
+            max_models: 2,
+            ..MetricsConfig::default()
+        });
+        for name in ["a", "b", "c", "d"] {
+            m.observe(&rec(name, Outcome::Ok));
+        }
+        let text = m.encode();
+        assert!(text.contains("model=\"a\""));
+        assert!(text.contains("model=\"b\""));
+        assert!(!text.contains("model=\"c\""));
+        assert!(text.contains("model=\"other\""));
+    }
+}

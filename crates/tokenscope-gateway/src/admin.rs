@@ -1,0 +1,87 @@
+//! The admin listener (localhost by default): `/metrics` for Prometheus, health, and a small
+//! JSON API over the most recent records.
+//!
+//! * `GET /metrics` — OpenMetrics text (`application/openmetrics-text; version=1.0.0`).
+//! * `GET /healthz` — `ok`.
+//! * `GET /api/requests?limit=N` — the last N finished records, newest first (in memory).
+//! * `GET /api/requests/{request_id}` — one recent record, 404 when not in memory.
+//! * `POST /api/flush` — write everything queued to the store now (blocks this admin call only).
+
+use crate::Shared;
+use axum::extract::{Path, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use std::sync::Arc;
+use tokenscope_store::PipelineHandle;
+
+#[derive(Clone)]
+struct AdminState {
+    shared: Arc<Shared>,
+    pipeline: Arc<PipelineHandle>,
+}
+
+pub(crate) fn router(shared: Arc<Shared>, pipeline: Arc<PipelineHandle>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/api/requests", get(recent))
+        .route("/api/requests/{id}", get(one))
+        .route("/api/flush", post(flush))
+        .with_state(AdminState { shared, pipeline })
+}
+
+async fn metrics(State(s): State<AdminState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.shared.metrics.encode(),
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+struct Limit {
+    limit: Option<usize>,
+}
+
+async fn recent(State(s): State<AdminState>, Query(q): Query<Limit>) -> Response {
+    let limit = q.limit.unwrap_or(100);
+    let rows: Vec<_> = s
+        .shared
+        .recent
+        .lock()
+        .iter()
+        .rev()
+        .take(limit)
+        .map(|r| (**r).clone())
+        .collect::<Vec<_>>();
+    Json(rows).into_response()
+}
+
+async fn one(State(s): State<AdminState>, Path(id): Path<String>) -> Response {
+    let found = s
+        .shared
+        .recent
+        .lock()
+        .iter()
+        .rev()
+        .find(|r| r.request_id == id)
+        .map(|r| (**r).clone());
+    match found {
+        Some(r) => Json(r).into_response(),
+        None => (StatusCode::NOT_FOUND, "not in the recent records").into_response(),
+    }
+}
+
+async fn flush(State(s): State<AdminState>) -> Response {
+    let p = s.pipeline.clone();
+    match tokio::task::spawn_blocking(move || p.flush()).await {
+        Ok(()) => "flushed".into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "flush failed").into_response(),
+    }
+}

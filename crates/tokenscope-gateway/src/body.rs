@@ -1,0 +1,318 @@
+//! [`MeteredBody`]: the upstream response body, forwarded to the client frame by frame while it
+//! is measured.
+//!
+//! Invariants:
+//! * Frames are forwarded as they arrive; nothing waits for the end of the response. In pass-
+//!   through mode each frame is returned unchanged (the same `Bytes`), so the client receives
+//!   byte-for-byte what the engine sent.
+//! * In strip mode (the gateway added `include_usage`), frames are cut at SSE event boundaries and
+//!   only the usage-only event the client did not ask for is removed; an incomplete event is held
+//!   until its terminating blank line arrives (at most `max_sse_event_bytes`).
+//! * Per frame the work is: stamp the instant, split events, parse each `data:` JSON. No lock is
+//!   shared with other requests, no I/O besides forwarding, memory bounded by one event (SSE) or
+//!   `max_response_parse_bytes` (non-streamed JSON, kept to read its `usage`).
+//! * The record is finished at end of stream, on an upstream error, on the idle timeout, or —
+//!   through [`RecordGuard`]'s `Drop` — when the client goes away.
+
+use crate::recording::RecordGuard;
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokenscope_core::openai::parse_payload;
+use tokenscope_core::sse::{parse_event, EventSplitter};
+use tokenscope_core::Outcome;
+use tokio::time::Sleep;
+
+/// Boxed error type returned to hyper (which then aborts the client connection).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Error surfaced to the client connection when the upstream misbehaves mid-response.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    /// No bytes from the upstream for longer than the idle timeout.
+    #[error("upstream sent nothing for {0:?}")]
+    IdleTimeout(Duration),
+    /// The upstream connection failed mid-response.
+    #[error("upstream response body failed: {0}")]
+    Upstream(#[from] hyper::Error),
+}
+
+pub(crate) enum Mode {
+    /// `text/event-stream`.
+    Sse {
+        splitter: EventSplitter,
+        /// Remove the usage-only event (the client did not ask for usage).
+        strip: bool,
+        /// An event exceeded the size limit: stop parsing, forward blindly.
+        blind: bool,
+    },
+    /// Anything else: forwarded unchanged, and kept (up to a cap) to read its usage at the end.
+    Whole { buf: Vec<u8>, cap: usize, overflow: bool },
+}
+
+/// The instrumented response body. See the module docs.
+pub struct MeteredBody {
+    inner: Incoming,
+    mode: Mode,
+    guard: RecordGuard,
+    idle: Pin<Box<Sleep>>,
+    idle_timeout: Duration,
+    done: bool,
+}
+
+impl MeteredBody {
+    pub(crate) fn new(inner: Incoming, mode: Mode, guard: RecordGuard, idle_timeout: Duration) -> Self {
+        Self {
+            inner,
+            mode,
+            guard,
+            idle: Box::pin(tokio::time::sleep(idle_timeout)),
+            idle_timeout,
+            done: false,
+        }
+    }
+
+    /// Handles one data frame; returns the bytes to forward (possibly empty).
+    fn on_data(&mut self, data: Bytes, now: Instant) -> Bytes {
+        let Some(p) = self.guard.get() else {
+            return data;
+        };
+        match &mut self.mode {
+            Mode::Whole { buf, cap, overflow } => {
+                if !*overflow {
+                    if buf.len() + data.len() <= *cap {
+                        buf.extend_from_slice(&data);
+                    } else {
+                        *overflow = true;
+                        buf.clear();
+                        buf.shrink_to_fit();
+                    }
+                }
+                data
+            }
+            Mode::Sse { blind: true, .. } => data,
+            Mode::Sse {
+                splitter,
+                strip,
+                blind,
+            } => {
+                if !*strip {
+                    let res = splitter.push(&data, |raw| {
+                        on_event(p, &raw, now, false);
+                    });
+                    if res.is_err() {
+                        *blind = true;
+                    }
+                    return data;
+                }
+                let mut out: Option<Bytes> = None;
+                let mut joined: Option<BytesMut> = None;
+                let res = splitter.push(&data, |raw| {
+                    if on_event(p, &raw, now, true) {
+                        return; // the usage-only event the client did not ask for
+                    }
+                    match (&mut out, &mut joined) {
+                        (None, None) => out = Some(raw),
+                        (Some(first), None) => {
+                            let mut j = BytesMut::with_capacity(first.len() + raw.len());
+                            j.extend_from_slice(first);
+                            j.extend_from_slice(&raw);
+                            joined = Some(j);
+                            out = None;
+                        }
+                        (_, Some(j)) => j.extend_from_slice(&raw),
+                    }
+                });
+                let mut forward = match (out, joined) {
+                    (_, Some(j)) => j.freeze(),
+                    (Some(o), None) => o,
+                    (None, None) => Bytes::new(),
+                };
+                if res.is_err() {
+                    // An oversized event: give up on event alignment and forward everything.
+                    *blind = true;
+                    if let Some(rest) = splitter.finish() {
+                        let mut j = BytesMut::from(&forward[..]);
+                        j.extend_from_slice(&rest);
+                        forward = j.freeze();
+                    }
+                }
+                forward
+            }
+        }
+    }
+
+    /// End of the upstream body: parse what is left and finish the record.
+    fn on_end(&mut self, now: Instant) -> Bytes {
+        let mut tail = Bytes::new();
+        if let Some(p) = self.guard.get() {
+            match &mut self.mode {
+                Mode::Sse {
+                    splitter,
+                    strip,
+                    blind,
+                } => {
+                    if let Some(rest) = splitter.finish() {
+                        let stripped = !*blind && on_event(p, &rest, now, *strip);
+                        if *strip && !stripped {
+                            tail = rest;
+                        }
+                    }
+                }
+                Mode::Whole { buf, overflow, .. } => {
+                    if !*overflow && !buf.is_empty() {
+                        match parse_payload(buf) {
+                            Ok(info) => {
+                                if info.has_output && p.rec.stream {
+                                    p.timer.on_token_chunk(now);
+                                }
+                                let f = &mut p.facts;
+                                f.usage = info.usage.or(f.usage);
+                                f.timings = info.timings.or(f.timings);
+                                f.finish_reason = info.finish_reason.or(f.finish_reason.take());
+                                f.model_served = info.model.or(f.model_served.take());
+                                f.output_bytes += info.output_bytes;
+                            }
+                            Err(_) => p.facts.malformed = true,
+                        }
+                    }
+                }
+            }
+        }
+        self.guard.finish(now, None);
+        tail
+    }
+}
+
+/// Reads one raw SSE event into the record. Returns `true` when the event is the usage-only
+/// chunk and `strip` is set (the caller then drops it).
+fn on_event(p: &mut crate::recording::Pending, raw: &[u8], now: Instant, strip: bool) -> bool {
+    let ev = parse_event(raw);
+    let Some(data) = ev.data else {
+        return false;
+    };
+    let data = data.trim();
+    if data.is_empty() || data == "[DONE]" {
+        return false;
+    }
+    match parse_payload(data.as_bytes()) {
+        Ok(info) => {
+            let strip_this = strip && info.is_usage_only() && !info.has_output;
+            if info.has_output {
+                p.timer.on_token_chunk(now);
+            }
+            let f = &mut p.facts;
+            f.output_bytes += info.output_bytes;
+            if info.usage.is_some() {
+                f.usage = info.usage;
+            }
+            if info.timings.is_some() {
+                f.timings = info.timings;
+            }
+            if let Some(r) = info.finish_reason {
+                f.finish_reason = Some(r);
+            }
+            if f.model_served.is_none() {
+                f.model_served = info.model;
+            }
+            f.stream_error |= info.is_error;
+            strip_this
+        }
+        Err(_) => {
+            p.facts.malformed = true;
+            false
+        }
+    }
+}
+
+impl Body for MeteredBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        loop {
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Pending => {
+                    if this.idle.as_mut().poll(cx).is_ready() {
+                        this.done = true;
+                        this.guard
+                            .finish(Instant::now(), Some((Outcome::Timeout, "stream_idle_timeout")));
+                        return Poll::Ready(Some(Err(Box::new(BodyError::IdleTimeout(
+                            this.idle_timeout,
+                        )))));
+                    }
+                    return Poll::Pending;
+                }
+                Poll::Ready(Some(Ok(frame))) => {
+                    let now = Instant::now();
+                    this.idle
+                        .as_mut()
+                        .reset(tokio::time::Instant::from_std(now) + this.idle_timeout);
+                    match frame.into_data() {
+                        Ok(data) => {
+                            let mut out = this.on_data(data, now);
+                            if this.inner.is_end_stream() {
+                                // A body of known length: the server stops polling once all
+                                // bytes are sent, so finish here rather than at `None`.
+                                this.done = true;
+                                let tail = this.on_end(now);
+                                if !tail.is_empty() {
+                                    let mut j = BytesMut::from(&out[..]);
+                                    j.extend_from_slice(&tail);
+                                    out = j.freeze();
+                                }
+                            }
+                            if out.is_empty() {
+                                if this.done {
+                                    return Poll::Ready(None);
+                                }
+                                continue;
+                            }
+                            return Poll::Ready(Some(Ok(Frame::data(out))));
+                        }
+                        Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    this.done = true;
+                    this.guard.finish(
+                        Instant::now(),
+                        Some((Outcome::UpstreamError, "upstream_disconnected")),
+                    );
+                    return Poll::Ready(Some(Err(Box::new(BodyError::Upstream(e)))));
+                }
+                Poll::Ready(None) => {
+                    this.done = true;
+                    let tail = this.on_end(Instant::now());
+                    if tail.is_empty() {
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(tail))));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.mode {
+            Mode::Sse { strip: true, .. } => SizeHint::default(),
+            _ => self.inner.size_hint(),
+        }
+    }
+}
+
+use std::future::Future as _;

@@ -1,0 +1,455 @@
+//! Gateway configuration: TOML file, then `TOKENSCOPE_*` environment overrides, then CLI flags.
+//!
+//! Precedence (lowest first): built-in defaults → `--config FILE` → environment → command-line
+//! flags (applied by the binary). Unknown keys are rejected so a typo is an error, not a silent
+//! default.
+//!
+//! Environment overrides: `TOKENSCOPE_<KEY>` sets a top-level key (`TOKENSCOPE_LISTEN`,
+//! `TOKENSCOPE_STORE`, `TOKENSCOPE_MAX_BODY_BYTES`, …) and `TOKENSCOPE_<TABLE>__<KEY>` a key in a
+//! table (`TOKENSCOPE_METRICS__USER_BUCKETS=32`). Values are read as TOML scalars (integers,
+//! floats, booleans) and fall back to strings. `TOKENSCOPE_UPSTREAM=URL` replaces the upstream
+//! list with one default upstream.
+//!
+//! API keys: `[[api_keys]]` entries map a key to a tenant and business line. Give `key_sha256`
+//! (hex SHA-256 of the key) to keep raw keys out of the file; a raw `key` is accepted and hashed
+//! at load. Records only ever carry a short fingerprint (`api_key_id`), never a key.
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Errors while loading or validating the configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The TOML (after environment overrides) did not parse into the schema.
+    #[error("invalid configuration: {0}")]
+    Parse(String),
+    /// A value is out of range or inconsistent.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// How a user becomes a metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum UserLabel {
+    /// Hash users into `user_buckets` buckets.
+    #[default]
+    Hash,
+    /// Keep the `user_top_k` heaviest users, the rest are `other`.
+    TopK,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsSection {
+    /// Distinct model label values before `other`.
+    pub max_models: usize,
+    /// Distinct request types before `other`.
+    pub max_request_types: usize,
+    /// `hash` or `top_k`.
+    pub user_label: UserLabel,
+    /// Buckets for `hash`.
+    pub user_buckets: u32,
+    /// K for `top_k`.
+    pub user_top_k: usize,
+}
+
+impl Default for MetricsSection {
+    fn default() -> Self {
+        Self {
+            max_models: 50,
+            max_request_types: 20,
+            user_label: UserLabel::Hash,
+            user_buckets: 16,
+            user_top_k: 10,
+        }
+    }
+}
+
+/// `[pipeline]`: the bounded queue between requests and the store.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PipelineSection {
+    /// Queue capacity in records.
+    pub capacity: usize,
+    /// Rows per batch write.
+    pub batch_size: usize,
+    /// Flush at least this often (ms).
+    pub flush_interval_ms: u64,
+}
+
+impl Default for PipelineSection {
+    fn default() -> Self {
+        Self {
+            capacity: 65_536,
+            batch_size: 1024,
+            flush_interval_ms: 200,
+        }
+    }
+}
+
+/// One `[[upstreams]]` entry.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    /// Name used in records and logs.
+    pub name: String,
+    /// Base URL, e.g. `http://127.0.0.1:8080` (a path prefix such as `/v1` is not added).
+    pub url: String,
+    /// Model patterns served here: exact names, or `prefix*`, or `*`.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Used when no pattern matches (the first upstream is the default when none says so).
+    #[serde(default)]
+    pub default: bool,
+}
+
+impl UpstreamConfig {
+    /// Whether this upstream serves `model`.
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.iter().any(|p| match p.strip_suffix('*') {
+            Some(prefix) => model.starts_with(prefix),
+            None => p == model,
+        })
+    }
+}
+
+/// One `[[api_keys]]` entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyConfig {
+    /// Raw key (hashed at load; prefer `key_sha256`).
+    #[serde(default)]
+    pub key: Option<String>,
+    /// Hex SHA-256 of the key.
+    #[serde(default)]
+    pub key_sha256: Option<String>,
+    /// Tenant for requests with this key.
+    #[serde(default)]
+    pub tenant: Option<String>,
+    /// Business line for requests with this key.
+    #[serde(default)]
+    pub business_line: Option<String>,
+}
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewayConfig {
+    /// Proxy listener.
+    pub listen: String,
+    /// Admin listener (`/metrics`, admin API). Localhost by default.
+    pub admin_listen: String,
+    /// Store location (a SQLite file path).
+    pub store: String,
+    /// Largest accepted request body; larger → 413.
+    pub max_body_bytes: usize,
+    /// Time allowed for the upstream to connect.
+    pub connect_timeout_ms: u64,
+    /// Time allowed until the upstream's response headers; beyond → 504.
+    pub upstream_timeout_ms: u64,
+    /// Longest silence allowed between two body chunks of a response; beyond → `timeout`.
+    pub stream_idle_timeout_ms: u64,
+    /// How long shutdown waits for in-flight requests before closing them.
+    pub shutdown_grace_ms: u64,
+    /// Add `stream_options.include_usage` upstream for exact streamed token counts.
+    pub inject_stream_usage: bool,
+    /// Keep the prompt text in the store (off by default: only its hash is stored).
+    pub store_prompts: bool,
+    /// Largest non-streamed response kept in memory to read its usage.
+    pub max_response_parse_bytes: usize,
+    /// Largest single SSE event parsed.
+    pub max_sse_event_bytes: usize,
+    /// Recent records kept in memory for the admin API.
+    pub recent_records: usize,
+    /// Prometheus label options.
+    pub metrics: MetricsSection,
+    /// Store pipeline options.
+    pub pipeline: PipelineSection,
+    /// Upstream engines, routed by model.
+    pub upstreams: Vec<UpstreamConfig>,
+    /// API key → tenant / business line.
+    pub api_keys: Vec<ApiKeyConfig>,
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:4000".into(),
+            admin_listen: "127.0.0.1:9464".into(),
+            store: "./tokenscope.db".into(),
+            max_body_bytes: 10 * 1024 * 1024,
+            connect_timeout_ms: 5_000,
+            upstream_timeout_ms: 600_000,
+            stream_idle_timeout_ms: 300_000,
+            shutdown_grace_ms: 30_000,
+            inject_stream_usage: true,
+            store_prompts: false,
+            max_response_parse_bytes: 16 * 1024 * 1024,
+            max_sse_event_bytes: 4 * 1024 * 1024,
+            recent_records: 1000,
+            metrics: MetricsSection::default(),
+            pipeline: PipelineSection::default(),
+            upstreams: Vec::new(),
+            api_keys: Vec::new(),
+        }
+    }
+}
+
+impl GatewayConfig {
+    /// Loads `file` (if any), applies the process environment, and validates.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::load_with_env(file, std::env::vars())
+    }
+
+    /// Like [`GatewayConfig::load`] with an explicit environment (for tests).
+    pub fn load_with_env(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let mut doc: toml::Table = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.to_owned(),
+                    source,
+                })?;
+                text.parse::<toml::Table>()
+                    .map_err(|e| ConfigError::Parse(format!("{}: {e}", path.display())))?
+            }
+            None => toml::Table::new(),
+        };
+        let mut upstream_env = None;
+        for (k, v) in env {
+            let Some(rest) = k.strip_prefix("TOKENSCOPE_") else {
+                continue;
+            };
+            if rest == "UPSTREAM" {
+                upstream_env = Some(v);
+                continue;
+            }
+            let key = rest.to_ascii_lowercase();
+            let known = match key.split_once("__") {
+                Some((table, _)) => ENV_TABLES.contains(&table),
+                None => ENV_KEYS.contains(&key.as_str()),
+            };
+            if !known {
+                // Other TOKENSCOPE_* variables belong to scripts and tests, not to the gateway.
+                continue;
+            }
+            let value = parse_scalar(&v);
+            match key.split_once("__") {
+                Some((table, field)) => {
+                    let t = doc
+                        .entry(table.to_owned())
+                        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                    if let Some(t) = t.as_table_mut() {
+                        t.insert(field.to_owned(), value);
+                    }
+                }
+                None => {
+                    doc.insert(key, value);
+                }
+            }
+        }
+        let mut cfg: GatewayConfig = doc
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse(e.to_string()))?;
+        if let Some(url) = upstream_env {
+            cfg.set_single_upstream(&url);
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Replaces the upstream list with one default upstream at `url`.
+    pub fn set_single_upstream(&mut self, url: &str) {
+        self.upstreams = vec![UpstreamConfig {
+            name: "default".into(),
+            url: url.trim_end_matches('/').to_owned(),
+            models: vec!["*".into()],
+            default: true,
+        }];
+    }
+
+    /// Checks ranges and consistency.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (what, addr) in [("listen", &self.listen), ("admin_listen", &self.admin_listen)] {
+            addr.parse::<SocketAddr>()
+                .map_err(|e| ConfigError::Invalid(format!("{what} = {addr:?}: {e}")))?;
+        }
+        if self.max_body_bytes == 0 || self.pipeline.capacity == 0 || self.pipeline.batch_size == 0
+        {
+            return Err(ConfigError::Invalid(
+                "max_body_bytes, pipeline.capacity and pipeline.batch_size must be > 0".into(),
+            ));
+        }
+        for u in &self.upstreams {
+            let uri: http::Uri = u
+                .url
+                .parse()
+                .map_err(|e| ConfigError::Invalid(format!("upstream {:?} url: {e}", u.name)))?;
+            if uri.scheme_str() != Some("http") {
+                return Err(ConfigError::Invalid(format!(
+                    "upstream {:?}: only http:// upstreams are supported (got {})",
+                    u.name, u.url
+                )));
+            }
+        }
+        for k in &self.api_keys {
+            if k.key.is_none() && k.key_sha256.is_none() {
+                return Err(ConfigError::Invalid(
+                    "each [[api_keys]] entry needs key or key_sha256".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The API-key map, keyed by hex SHA-256 of the key.
+    pub fn api_key_map(&self) -> HashMap<String, ApiKeyConfig> {
+        self.api_keys
+            .iter()
+            .filter_map(|k| {
+                let h = match (&k.key_sha256, &k.key) {
+                    (Some(h), _) => h.to_ascii_lowercase(),
+                    (None, Some(raw)) => sha256_hex(raw),
+                    (None, None) => return None,
+                };
+                Some((h, k.clone()))
+            })
+            .collect()
+    }
+
+    /// Connect timeout.
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+    /// Header timeout.
+    pub fn upstream_timeout(&self) -> Duration {
+        Duration::from_millis(self.upstream_timeout_ms)
+    }
+    /// Idle timeout between body chunks.
+    pub fn stream_idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.stream_idle_timeout_ms)
+    }
+}
+
+/// Hex SHA-256 of a string.
+pub fn sha256_hex(s: &str) -> String {
+    tokenscope_core::prompt::hex(&Sha256::digest(s.as_bytes()))
+}
+
+/// Top-level keys settable as `TOKENSCOPE_<KEY>`.
+const ENV_KEYS: &[&str] = &[
+    "listen",
+    "admin_listen",
+    "store",
+    "max_body_bytes",
+    "connect_timeout_ms",
+    "upstream_timeout_ms",
+    "stream_idle_timeout_ms",
+    "shutdown_grace_ms",
+    "inject_stream_usage",
+    "store_prompts",
+    "max_response_parse_bytes",
+    "max_sse_event_bytes",
+    "recent_records",
+];
+/// Tables whose keys are settable as `TOKENSCOPE_<TABLE>__<KEY>`.
+const ENV_TABLES: &[&str] = &["metrics", "pipeline"];
+
+fn parse_scalar(v: &str) -> toml::Value {
+    if let Ok(i) = v.parse::<i64>() {
+        return toml::Value::Integer(i);
+    }
+    if let Ok(f) = v.parse::<f64>() {
+        return toml::Value::Float(f);
+    }
+    match v {
+        "true" => toml::Value::Boolean(true),
+        "false" => toml::Value::Boolean(false),
+        _ => toml::Value::String(v.to_owned()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn file_then_env() {
+        let mut f = tempfile::NamedTempFile::new().expect("tmp");
+        writeln!(
+            f,
+            r#"
+listen = "127.0.0.1:5000"
+store_prompts = true
+[metrics]
+user_buckets = 8
+[[upstreams]]
+name = "llama"
+url = "http://127.0.0.1:8080"
+models = ["gemma*"]
+[[upstreams]]
+name = "vllm"
+url = "http://127.0.0.1:8000"
+default = true
+[[api_keys]]
+key = "sk-secret"
+tenant = "search"
+"#
+        )
+        .expect("write");
+        let env = vec![
+            ("TOKENSCOPE_LISTEN".to_string(), "127.0.0.1:6000".to_string()),
+            ("TOKENSCOPE_METRICS__USER_BUCKETS".into(), "32".into()),
+            ("OTHER".into(), "x".into()),
+        ];
+        let cfg = GatewayConfig::load_with_env(Some(f.path()), env).expect("valid");
+        assert_eq!(cfg.listen, "127.0.0.1:6000");
+        assert!(cfg.store_prompts);
+        assert_eq!(cfg.metrics.user_buckets, 32);
+        assert_eq!(cfg.upstreams.len(), 2);
+        assert!(cfg.upstreams[0].serves("gemma-3-270m"));
+        assert!(!cfg.upstreams[0].serves("llama"));
+        let keys = cfg.api_key_map();
+        assert_eq!(
+            keys.get(&sha256_hex("sk-secret")).and_then(|k| k.tenant.clone()),
+            Some("search".into())
+        );
+    }
+
+    #[test]
+    fn rejects_unknown_keys_and_bad_values() {
+        let env = vec![("TOKENSCOPE_METRICS__NOPE".to_string(), "1".to_string())];
+        assert!(GatewayConfig::load_with_env(None, env).is_err());
+        let env = vec![("TOKENSCOPE_CACHE".to_string(), "/tmp".to_string())];
+        assert!(GatewayConfig::load_with_env(None, env).is_ok(), "script variables are ignored");
+        let env = vec![("TOKENSCOPE_LISTEN".to_string(), "nope".to_string())];
+        assert!(GatewayConfig::load_with_env(None, env).is_err());
+        let env = vec![("TOKENSCOPE_UPSTREAM".to_string(), "https://x".to_string())];
+        assert!(GatewayConfig::load_with_env(None, env).is_err());
+    }
+
+    #[test]
+    fn upstream_env() {
+        let env = vec![("TOKENSCOPE_UPSTREAM".to_string(), "http://127.0.0.1:1/".to_string())];
+        let cfg = GatewayConfig::load_with_env(None, env).expect("valid");
+        assert_eq!(cfg.upstreams[0].url, "http://127.0.0.1:1");
+        assert!(cfg.upstreams[0].serves("anything"));
+    }
+}

@@ -1,0 +1,481 @@
+//! The request path: measured OpenAI endpoints and blind pass-through of everything else.
+//!
+//! Measured request, in order (see ARCHITECTURE.md for the picture):
+//! 1. arrival instant (monotonic) and `created_at` (wall clock); request id and trace id;
+//! 2. body read with a size limit (413 beyond it);
+//! 3. JSON read for model / stream / usage options / user; prompt hash and entry token estimate;
+//! 4. attribution (headers, body `user`, API-key map; raw keys never leave this function);
+//! 5. routing by model; `include_usage` injected for streams that did not ask for it;
+//! 6. upstream call with connect and header timeouts (502 / 504 with a JSON error body);
+//! 7. the response body is wrapped in [`MeteredBody`], which forwards and measures each frame and
+//!    finishes the record at its end.
+//!
+//! A malformed request body is forwarded as received (the engine answers it), still recorded.
+
+use crate::body::{MeteredBody, Mode};
+use crate::recording::RecordGuard;
+use crate::Shared;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{StatusCode, Uri};
+use http_body_util::BodyExt;
+use serde_json::Value;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokenscope_core::openai::{inject_include_usage, RequestInfo};
+use tokenscope_core::prompt::{estimate_tokens, normalised_prompt, prompt_hash};
+use tokenscope_core::sse::EventSplitter;
+use tokenscope_core::{Endpoint, InputBucket, Outcome, RequestRecord};
+
+/// Header carrying the request id (in and out).
+pub const REQUEST_ID: &str = "x-request-id";
+/// Response header carrying the trace id.
+pub const TRACE_ID: &str = "x-tokenscope-trace-id";
+const H_USER: &str = "x-tokenscope-user";
+const H_TENANT: &str = "x-tokenscope-tenant";
+const H_BUSINESS_LINE: &str = "x-tokenscope-business-line";
+const H_REQUEST_TYPE: &str = "x-tokenscope-request-type";
+
+/// Headers that describe one hop only and must not be forwarded.
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "host",
+];
+
+fn now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
+/// JSON error body in the OpenAI shape.
+pub(crate) fn error_response(status: StatusCode, code: &str, message: &str) -> Response {
+    let body = serde_json::json!({
+        "error": {"message": message, "type": "tokenscope_error", "code": code}
+    });
+    (status, axum::Json(body)).into_response()
+}
+
+fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+}
+
+fn valid_request_id(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// W3C trace context: continue an incoming `traceparent` or start a new trace.
+/// Returns (trace id, traceparent to send upstream).
+fn trace_context(h: &HeaderMap) -> (String, String) {
+    let incoming = header_str(h, "traceparent").and_then(|tp| {
+        let parts: Vec<&str> = tp.split('-').collect();
+        let ok = parts.len() >= 4
+            && parts[0].len() == 2
+            && parts[1].len() == 32
+            && parts[2].len() == 16
+            && parts[3].len() == 2
+            && parts[1..4]
+                .iter()
+                .all(|p| p.bytes().all(|b| b.is_ascii_hexdigit()))
+            && parts[1].bytes().any(|b| b != b'0');
+        ok.then(|| (parts[1].to_ascii_lowercase(), parts[3].to_owned()))
+    });
+    let span = uuid::Uuid::new_v4().simple().to_string()[..16].to_owned();
+    match incoming {
+        Some((trace, flags)) => {
+            let tp = format!("00-{trace}-{span}-{flags}");
+            (trace, tp)
+        }
+        None => {
+            let trace = uuid::Uuid::new_v4().simple().to_string();
+            let tp = format!("00-{trace}-{span}-01");
+            (trace, tp)
+        }
+    }
+}
+
+/// Builds the upstream URI: base URL (with an optional path prefix) + path and query.
+fn upstream_uri(base: &Uri, original: &Uri) -> Result<Uri, http::Error> {
+    let pq = original.path_and_query().map_or("/", |p| p.as_str());
+    let prefix = base.path().trim_end_matches('/');
+    let mut parts = base.clone().into_parts();
+    parts.path_and_query = Some(format!("{prefix}{pq}").parse()?);
+    Ok(Uri::from_parts(parts)?)
+}
+
+fn copy_request_headers(src: &HeaderMap, dst: &mut HeaderMap, measured: bool) {
+    for (k, v) in src {
+        let name = k.as_str();
+        if HOP_BY_HOP.contains(&name) || name == "content-length" {
+            continue;
+        }
+        if measured && (name.starts_with("x-tokenscope-") || name == "accept-encoding") {
+            // Our attribution headers stay here; responses must stay readable (identity).
+            continue;
+        }
+        dst.append(k.clone(), v.clone());
+    }
+}
+
+fn copy_response_headers(src: &HeaderMap, dst: &mut HeaderMap, drop_length: bool) {
+    for (k, v) in src {
+        let name = k.as_str();
+        if HOP_BY_HOP.contains(&name) || (drop_length && name == "content-length") {
+            continue;
+        }
+        dst.append(k.clone(), v.clone());
+    }
+}
+
+fn set_ids(h: &mut HeaderMap, request_id: &str, trace_id: &str) {
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        h.insert(HeaderName::from_static(REQUEST_ID), v);
+    }
+    if let Ok(v) = HeaderValue::from_str(trace_id) {
+        h.insert(HeaderName::from_static(TRACE_ID), v);
+    }
+}
+
+/// The API key presented by the client, if any (`Authorization: Bearer`, `x-api-key`, `api-key`).
+fn api_key(h: &HeaderMap) -> Option<&str> {
+    header_str(h, "authorization")
+        .and_then(|a| a.strip_prefix("Bearer ").or_else(|| a.strip_prefix("bearer ")))
+        .map(str::trim)
+        .or_else(|| header_str(h, "x-api-key"))
+        .or_else(|| header_str(h, "api-key"))
+        .filter(|k| !k.is_empty())
+}
+
+/// Handler for `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`.
+pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) -> Response {
+    let arrival = Instant::now();
+    let created_at = now_us();
+    let (parts, body) = req.into_parts();
+    let endpoint = Endpoint::from_path(parts.uri.path()).unwrap_or_default();
+    let request_id = header_str(&parts.headers, REQUEST_ID)
+        .filter(|s| valid_request_id(s))
+        .map_or_else(|| uuid::Uuid::now_v7().to_string(), str::to_owned);
+    let (trace_id, traceparent) = trace_context(&parts.headers);
+
+    let rec = RequestRecord {
+        request_id: request_id.clone(),
+        trace_id: trace_id.clone(),
+        created_at,
+        endpoint,
+        request_type: header_str(&parts.headers, H_REQUEST_TYPE)
+            .unwrap_or(endpoint.default_request_type())
+            .to_owned(),
+        ..RequestRecord::default()
+    };
+    let mut guard = RecordGuard::new(shared.clone(), rec, arrival);
+
+    // Attribution that does not need the body.
+    if let Some(p) = guard.get() {
+        p.rec.user_id = header_str(&parts.headers, H_USER).map(str::to_owned);
+        p.rec.tenant = header_str(&parts.headers, H_TENANT).map(str::to_owned);
+        p.rec.business_line = header_str(&parts.headers, H_BUSINESS_LINE).map(str::to_owned);
+        if let Some(key) = api_key(&parts.headers) {
+            let h = crate::config::sha256_hex(key);
+            p.rec.api_key_id = Some(h[..16].to_owned());
+            if let Some(entry) = shared.api_keys.get(&h) {
+                if p.rec.tenant.is_none() {
+                    p.rec.tenant.clone_from(&entry.tenant);
+                }
+                if p.rec.business_line.is_none() {
+                    p.rec.business_line.clone_from(&entry.business_line);
+                }
+            }
+        }
+    }
+
+    // Body, with a size limit.
+    let limit = shared.cfg.max_body_bytes;
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return too_large(guard, limit, &request_id, &trace_id);
+    }
+    let body_bytes = match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) => {
+            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                return too_large(guard, limit, &request_id, &trace_id);
+            }
+            guard.finish(
+                Instant::now(),
+                Some((Outcome::Cancelled, "client_body_error")),
+            );
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "client_body_error",
+                "could not read the request body",
+            );
+        }
+    };
+    if let Some(p) = guard.get() {
+        p.timer.mark_body_received(Instant::now());
+    }
+
+    // What the request asks for.
+    let mut json: Option<Value> = serde_json::from_slice(&body_bytes).ok();
+    let info = json.as_ref().map(RequestInfo::from_json).unwrap_or_default();
+    let mut strip_usage = false;
+    if let Some(p) = guard.get() {
+        p.rec.model = info.model.clone().unwrap_or_default();
+        p.rec.stream = info.stream;
+        p.rec.max_tokens = info.max_tokens;
+        if p.rec.user_id.is_none() {
+            p.rec.user_id.clone_from(&info.user);
+        }
+        if let Some(v) = &json {
+            if let Some(norm) = normalised_prompt(endpoint, v) {
+                let est = estimate_tokens(&norm);
+                p.entry_input_tokens = Some(est);
+                p.rec.input_bucket = Some(InputBucket::of(est));
+                p.rec.prompt_hash = Some(prompt_hash(&p.rec.model, &norm));
+                if shared.cfg.store_prompts {
+                    p.rec.prompt_text = Some(norm);
+                }
+            }
+        }
+    }
+    guard.start_in_flight();
+
+    // Exact streamed usage: ask the engine for it, remove it from what the client sees.
+    let mut forward_body = body_bytes;
+    if info.stream && !info.include_usage && shared.cfg.inject_stream_usage {
+        if let Some(v) = json.as_mut() {
+            if inject_include_usage(v) {
+                if let Ok(b) = serde_json::to_vec(v) {
+                    forward_body = Bytes::from(b);
+                    strip_usage = true;
+                }
+            }
+        }
+    }
+
+    // Routing.
+    let Some(upstream) = shared.route(info.model.as_deref()) else {
+        guard.finish(Instant::now(), Some((Outcome::UpstreamError, "no_upstream")));
+        return error_response(
+            StatusCode::BAD_GATEWAY,
+            "no_upstream",
+            "no upstream is configured for this model",
+        );
+    };
+    if let Some(p) = guard.get() {
+        p.rec.upstream.clone_from(&upstream.name);
+    }
+    let uri = match upstream_uri(&upstream.base, &parts.uri) {
+        Ok(u) => u,
+        Err(e) => {
+            guard.finish(Instant::now(), Some((Outcome::ClientError, "bad_uri")));
+            return error_response(StatusCode::BAD_REQUEST, "bad_uri", &e.to_string());
+        }
+    };
+    let mut up = http::Request::builder()
+        .method(parts.method.clone())
+        .uri(uri)
+        .version(http::Version::HTTP_11);
+    if let Some(h) = up.headers_mut() {
+        copy_request_headers(&parts.headers, h, true);
+        if let Ok(v) = HeaderValue::from_str(&traceparent) {
+            h.insert(HeaderName::from_static("traceparent"), v);
+        }
+        if let Ok(v) = HeaderValue::from_str(&request_id) {
+            h.insert(HeaderName::from_static(REQUEST_ID), v);
+        }
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from(forward_body.len()));
+    }
+    let up = match up.body(Body::from(forward_body)) {
+        Ok(r) => r,
+        Err(e) => {
+            guard.finish(Instant::now(), Some((Outcome::ClientError, "bad_request")));
+            return error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string());
+        }
+    };
+
+    if let Some(p) = guard.get() {
+        p.timer.mark_upstream_sent(Instant::now());
+    }
+    let resp = tokio::time::timeout(shared.cfg.upstream_timeout(), shared.client.request(up)).await;
+    let resp = match resp {
+        Err(_) => {
+            guard.finish(
+                Instant::now(),
+                Some((Outcome::Timeout, "upstream_header_timeout")),
+            );
+            let mut r = error_response(
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream_timeout",
+                "the upstream did not answer in time",
+            );
+            set_ids(r.headers_mut(), &request_id, &trace_id);
+            return r;
+        }
+        Ok(Err(e)) => {
+            let kind = if e.is_connect() {
+                "upstream_unreachable"
+            } else {
+                "upstream_failed"
+            };
+            guard.finish(Instant::now(), Some((Outcome::UpstreamError, kind)));
+            let mut r = error_response(
+                StatusCode::BAD_GATEWAY,
+                kind,
+                &format!("upstream {}: {e}", upstream.name),
+            );
+            set_ids(r.headers_mut(), &request_id, &trace_id);
+            return r;
+        }
+        Ok(Ok(r)) => r,
+    };
+
+    let headers_at = Instant::now();
+    let status = resp.status();
+    if let Some(p) = guard.get() {
+        p.timer.mark_headers(headers_at);
+        p.facts.status = Some(status.as_u16());
+    }
+    let is_sse = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.trim_start().starts_with("text/event-stream"));
+    let mode = if is_sse {
+        Mode::Sse {
+            splitter: EventSplitter::new(shared.cfg.max_sse_event_bytes),
+            strip: strip_usage,
+            blind: false,
+        }
+    } else {
+        Mode::Whole {
+            buf: Vec::new(),
+            cap: shared.cfg.max_response_parse_bytes,
+            overflow: false,
+        }
+    };
+    let drop_length = is_sse && strip_usage;
+    let (rparts, rbody) = resp.into_parts();
+    let metered = MeteredBody::new(rbody, mode, guard, shared.cfg.stream_idle_timeout());
+    let mut out = Response::new(Body::new(metered));
+    *out.status_mut() = rparts.status;
+    copy_response_headers(&rparts.headers, out.headers_mut(), drop_length);
+    set_ids(out.headers_mut(), &request_id, &trace_id);
+    out
+}
+
+fn too_large(mut guard: RecordGuard, limit: usize, request_id: &str, trace_id: &str) -> Response {
+    if let Some(p) = guard.get() {
+        p.rec.http_status = 413;
+    }
+    guard.finish(Instant::now(), Some((Outcome::ClientError, "body_too_large")));
+    let mut r = error_response(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body_too_large",
+        &format!("request body exceeds {limit} bytes"),
+    );
+    set_ids(r.headers_mut(), request_id, trace_id);
+    r
+}
+
+/// Every other path: forwarded to the default upstream unchanged, streamed both ways, not
+/// measured.
+pub(crate) async fn passthrough(State(shared): State<Arc<Shared>>, req: Request) -> Response {
+    let Some(upstream) = shared.route(None) else {
+        return error_response(StatusCode::BAD_GATEWAY, "no_upstream", "no upstream configured");
+    };
+    let (parts, body) = req.into_parts();
+    let uri = match upstream_uri(&upstream.base, &parts.uri) {
+        Ok(u) => u,
+        Err(e) => return error_response(StatusCode::BAD_REQUEST, "bad_uri", &e.to_string()),
+    };
+    let mut up = http::Request::builder().method(parts.method).uri(uri);
+    if let Some(h) = up.headers_mut() {
+        copy_request_headers(&parts.headers, h, false);
+        if let Some(len) = parts.headers.get(header::CONTENT_LENGTH) {
+            h.insert(header::CONTENT_LENGTH, len.clone());
+        }
+    }
+    let up = match up.body(body) {
+        Ok(r) => r,
+        Err(e) => return error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string()),
+    };
+    match tokio::time::timeout(shared.cfg.upstream_timeout(), shared.client.request(up)).await {
+        Err(_) => error_response(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_timeout",
+            "the upstream did not answer in time",
+        ),
+        Ok(Err(e)) => error_response(
+            StatusCode::BAD_GATEWAY,
+            "upstream_unreachable",
+            &format!("upstream {}: {e}", upstream.name),
+        ),
+        Ok(Ok(resp)) => {
+            let (rparts, rbody) = resp.into_parts();
+            let mut out = Response::new(Body::new(rbody));
+            *out.status_mut() = rparts.status;
+            copy_response_headers(&rparts.headers, out.headers_mut(), false);
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traceparent_is_continued() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "traceparent",
+            HeaderValue::from_static("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+        );
+        let (trace, tp) = trace_context(&h);
+        assert_eq!(trace, "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert!(tp.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"));
+        assert!(tp.ends_with("-01"));
+        assert_ne!(&tp[36..52], "00f067aa0ba902b7", "the gateway's own span id is sent");
+        let (fresh, _) = trace_context(&HeaderMap::new());
+        assert_eq!(fresh.len(), 32);
+    }
+
+    #[test]
+    fn uri_join() {
+        let base: Uri = "http://127.0.0.1:8080/prefix/".parse().expect("uri");
+        let orig: Uri = "/v1/models?x=1".parse().expect("uri");
+        assert_eq!(
+            upstream_uri(&base, &orig).expect("join").to_string(),
+            "http://127.0.0.1:8080/prefix/v1/models?x=1"
+        );
+    }
+
+    #[test]
+    fn api_key_sources() {
+        let mut h = HeaderMap::new();
+        h.insert("authorization", HeaderValue::from_static("Bearer sk-1"));
+        assert_eq!(api_key(&h), Some("sk-1"));
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", HeaderValue::from_static("k2"));
+        assert_eq!(api_key(&h), Some("k2"));
+        assert!(valid_request_id("abc-123"));
+        assert!(!valid_request_id("has space"));
+    }
+}

@@ -1,0 +1,216 @@
+//! The per-request record under construction, and the guarantee of exactly one record.
+//!
+//! A [`RecordGuard`] is created when a measured request arrives and travels with it: first in the
+//! handler, then inside the response body ([`crate::body::MeteredBody`]). It is finished exactly
+//! once, by whichever comes first:
+//! * [`RecordGuard::finish`] — the handler failed early (413, 502, 504) or the body reached its
+//!   end of stream, its idle timeout, or an upstream error;
+//! * `Drop` — the request was abandoned (client disconnect while waiting for the upstream or
+//!   mid-stream): the record says `cancelled`, with the tokens seen so far.
+//!
+//! Finishing never blocks: it updates in-memory metrics, pushes into the recent-records ring,
+//! and `try_send`s the record into the bounded store pipeline ([`RecordOut`]).
+
+use crate::Shared;
+use std::sync::Arc;
+use std::time::Instant;
+use tokenscope_core::openai::{LlamaTimings, Usage};
+use tokenscope_core::{InputBucket, Outcome, PhaseSource, RequestRecord, StreamTimer, TokenSource};
+use tokenscope_telemetry::InFlightGuard;
+
+/// Where finished records go (the store pipeline). Must not block.
+pub trait RecordOut: Send + Sync + 'static {
+    /// Hands over one finished record.
+    fn submit(&self, rec: RequestRecord);
+}
+
+/// What the response told us so far.
+#[derive(Debug, Default)]
+pub(crate) struct ResponseFacts {
+    pub status: Option<u16>,
+    pub usage: Option<Usage>,
+    pub timings: Option<LlamaTimings>,
+    pub finish_reason: Option<String>,
+    pub model_served: Option<String>,
+    pub output_bytes: usize,
+    /// A body or event that should have been JSON was not.
+    pub malformed: bool,
+    /// The stream carried an `{"error": …}` event.
+    pub stream_error: bool,
+}
+
+pub(crate) struct Pending {
+    shared: Arc<Shared>,
+    pub rec: RequestRecord,
+    pub timer: StreamTimer,
+    pub facts: ResponseFacts,
+    /// Entry-time input estimate (text length), used when the engine reports no usage.
+    pub entry_input_tokens: Option<u64>,
+    in_flight: Option<InFlightGuard>,
+}
+
+/// Owns a record until it is finished. See the module docs.
+pub(crate) struct RecordGuard(Option<Box<Pending>>);
+
+impl RecordGuard {
+    pub fn new(shared: Arc<Shared>, rec: RequestRecord, arrival: Instant) -> Self {
+        RecordGuard(Some(Box::new(Pending {
+            shared,
+            rec,
+            timer: StreamTimer::new(arrival),
+            facts: ResponseFacts::default(),
+            entry_input_tokens: None,
+            in_flight: None,
+        })))
+    }
+
+    /// Access to the pending state (always present until finished).
+    pub fn get(&mut self) -> Option<&mut Pending> {
+        self.0.as_deref_mut()
+    }
+
+    /// Starts counting this request in `llm_requests_in_flight` (once the model is known).
+    pub fn start_in_flight(&mut self) {
+        if let Some(p) = self.0.as_deref_mut() {
+            p.in_flight = Some(p.shared.metrics.start_request(&p.rec.model));
+        }
+    }
+
+    /// Finishes the record now. `forced` overrides the outcome derived from the response.
+    pub fn finish(&mut self, end: Instant, forced: Option<(Outcome, &'static str)>) {
+        if let Some(p) = self.0.take() {
+            finalize(*p, end, forced);
+        }
+    }
+}
+
+impl Drop for RecordGuard {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            finalize(*p, Instant::now(), Some((Outcome::Cancelled, "client_disconnected")));
+        }
+    }
+}
+
+fn outcome_for_status(status: u16) -> (Outcome, Option<String>) {
+    match status {
+        200..=299 => (Outcome::Ok, None),
+        429 => (Outcome::UpstreamError, Some("rate_limited".into())),
+        400..=499 => (Outcome::ClientError, Some(format!("http_{status}"))),
+        _ => (Outcome::UpstreamError, Some(format!("http_{status}"))),
+    }
+}
+
+fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)>) {
+    let f = &p.facts;
+    let t = &p.timer;
+    let rec = &mut p.rec;
+    rec.total_duration_ms = t.elapsed_ms(end);
+    rec.ttft_ms = t.ttft_ms();
+    rec.upstream_headers_ms = t.headers_ms();
+    rec.gateway_overhead_ms = t.overhead_ms();
+    if let Some(s) = f.status {
+        rec.http_status = s;
+    }
+    rec.finish_reason.clone_from(&f.finish_reason);
+    rec.model_served.clone_from(&f.model_served);
+
+    let usage = f.usage.unwrap_or_default();
+    let timings = f.timings.unwrap_or_default();
+
+    // Input tokens: usage > engine timings > entry estimate.
+    (rec.input_tokens, rec.input_tokens_source) = if let Some(n) = usage.prompt_tokens {
+        (Some(n), TokenSource::Usage)
+    } else if let Some(n) = timings.prompt_n {
+        (Some(n + timings.cache_n.unwrap_or(0)), TokenSource::Engine)
+    } else if let Some(n) = p.entry_input_tokens {
+        (Some(n), TokenSource::Estimate)
+    } else {
+        (None, TokenSource::None)
+    };
+    // Output tokens: usage > engine timings > streamed chunks > text estimate.
+    (rec.output_tokens, rec.output_tokens_source) = if let Some(n) = usage.completion_tokens {
+        (Some(n), TokenSource::Usage)
+    } else if let Some(n) = timings.predicted_n {
+        (Some(n), TokenSource::Engine)
+    } else if t.token_chunks() > 0 {
+        (Some(t.token_chunks()), TokenSource::Chunks)
+    } else if f.output_bytes > 0 {
+        (Some((f.output_bytes as u64).div_ceil(4)), TokenSource::Estimate)
+    } else if rec.endpoint == tokenscope_core::Endpoint::Embeddings && usage.prompt_tokens.is_some()
+    {
+        (Some(0), TokenSource::Usage)
+    } else {
+        (None, TokenSource::None)
+    };
+    rec.cached_tokens = usage.cached_tokens().or(timings.cache_n);
+    rec.reasoning_tokens = usage.reasoning_tokens();
+    rec.input_bucket = rec.input_tokens.map(InputBucket::of);
+    if rec.stream {
+        rec.tpot_ms = rec.output_tokens.and_then(|n| t.tpot_ms(n));
+        rec.itl_max_ms = t.itl_max_ms();
+        rec.itl_mean_ms = t.itl_mean_ms();
+        rec.chunks = Some(t.token_chunks());
+    }
+
+    // Engine phases (llama.cpp timings): prefill and decode of this very request.
+    if let Some(ms) = timings.prompt_ms {
+        rec.prefill_duration_ms = Some(ms);
+        rec.prefill_source = PhaseSource::Engine;
+    }
+    if let Some(ms) = timings.predicted_ms {
+        rec.decode_duration_ms = Some(ms);
+        rec.decode_source = PhaseSource::Engine;
+    }
+    if let (Some(ttft), Some(prefill)) = (rec.ttft_ms, rec.prefill_duration_ms) {
+        let overhead = rec.gateway_overhead_ms.unwrap_or(0.0);
+        rec.queue_duration_ms = Some((ttft - prefill - overhead).max(0.0));
+        rec.queue_source = PhaseSource::Derived;
+    }
+    rec.draft_tokens = timings.draft_n;
+    rec.draft_accepted_tokens = timings.draft_n_accepted;
+
+    // Outcome.
+    let (mut outcome, mut error_type) = match f.status {
+        Some(s) => outcome_for_status(s),
+        None => (Outcome::UpstreamError, Some("no_response".into())),
+    };
+    if outcome == Outcome::Ok && f.malformed {
+        outcome = Outcome::UpstreamError;
+        error_type = Some("malformed_response".into());
+    } else if outcome == Outcome::Ok && f.stream_error {
+        outcome = Outcome::UpstreamError;
+        error_type = Some("stream_error".into());
+    }
+    if let Some((o, e)) = forced {
+        outcome = o;
+        error_type = Some(e.into());
+        if rec.http_status == 0 {
+            rec.http_status = match o {
+                Outcome::Timeout => 504,
+                Outcome::Cancelled => 499,
+                Outcome::ClientError => 400,
+                _ => 502,
+            };
+        }
+    }
+    rec.outcome = outcome;
+    rec.error_type = error_type;
+
+    let shared = p.shared;
+    drop(p.in_flight.take());
+    shared.finish_record(p.rec);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_mapping() {
+        assert_eq!(outcome_for_status(200).0, Outcome::Ok);
+        assert_eq!(outcome_for_status(400).0, Outcome::ClientError);
+        assert_eq!(outcome_for_status(429).0, Outcome::UpstreamError);
+        assert_eq!(outcome_for_status(503).0, Outcome::UpstreamError);
+    }
+}

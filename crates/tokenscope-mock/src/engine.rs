@@ -1,0 +1,568 @@
+//! The simulated engine: one task, a step loop, continuous batching with chunked prefill.
+//!
+//! See the crate docs for the model. This module knows nothing about HTTP: a handler submits a
+//! [`Job`] and reads [`Event`]s from the returned channel.
+
+use crate::metrics::Stats;
+use crate::MockConfig;
+use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// Capacity of each request's event channel. A client that stops reading stalls only its own
+/// sequence once this many events are buffered.
+pub(crate) const EVENT_CHANNEL: usize = 64;
+
+/// How far behind its ideal schedule the engine may fall and still catch up by skipping sleeps
+/// (the timer has millisecond resolution, so sub-millisecond steps are paid in bursts).
+const MAX_CATCH_UP: Duration = Duration::from_millis(5);
+
+/// The timing parameters of the step loop, taken from [`MockConfig`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EngineParams {
+    pub slots: usize,
+    pub time_scale: f64,
+    pub prefill_ms_per_token: f64,
+    pub decode_base_ms: f64,
+    pub decode_ms_per_seq: f64,
+    pub max_prefill_tokens_per_step: u64,
+}
+
+impl EngineParams {
+    pub(crate) fn from_config(cfg: &MockConfig) -> Self {
+        Self {
+            slots: cfg.slots.max(1),
+            time_scale: cfg.time_scale,
+            prefill_ms_per_token: cfg.prefill_ms_per_token,
+            decode_base_ms: cfg.decode_base_ms,
+            decode_ms_per_seq: cfg.decode_ms_per_seq,
+            max_prefill_tokens_per_step: (cfg.max_prefill_tokens_per_step as u64).max(1),
+        }
+    }
+
+    /// Duration of one step, already scaled.
+    fn step_duration(&self, batch: usize, prefill_tokens: u64) -> Duration {
+        let ms = self.decode_base_ms
+            + self.decode_ms_per_seq * batch.saturating_sub(1) as f64
+            + self.prefill_ms_per_token * prefill_tokens as f64;
+        scaled(ms, self.time_scale)
+    }
+}
+
+/// `ms × scale` as a duration; non-finite or negative values are zero, huge ones an hour.
+pub(crate) fn scaled(ms: f64, scale: f64) -> Duration {
+    let secs = ms * scale / 1000.0;
+    if secs.is_finite() && secs > 0.0 {
+        Duration::from_secs_f64(secs.min(3600.0))
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// What one request asks of the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Job {
+    /// Prompt tokens (prefill work; at least one token is always prefilled).
+    pub prompt_tokens: u64,
+    /// Exactly how many tokens to generate.
+    pub output_tokens: u64,
+}
+
+/// What the engine tells a request's handler.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Event {
+    /// One generated token, 0-based index within this request.
+    Token { index: u64 },
+    /// The request is complete; always the last event.
+    Finished(Summary),
+}
+
+/// One request's own timeline, as the engine saw it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Summary {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub queued_at: Instant,
+    pub scheduled_at: Instant,
+    pub first_token_at: Option<Instant>,
+    pub last_token_at: Option<Instant>,
+    pub finished_at: Instant,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+impl Summary {
+    /// Queued → scheduled.
+    #[cfg(test)]
+    pub(crate) fn queue_ms(&self) -> f64 {
+        ms(self.scheduled_at.duration_since(self.queued_at))
+    }
+    /// Scheduled → first token (→ finished when no token was generated).
+    pub(crate) fn prompt_ms(&self) -> f64 {
+        ms(self
+            .first_token_at
+            .unwrap_or(self.finished_at)
+            .duration_since(self.scheduled_at))
+    }
+    /// First → last token.
+    pub(crate) fn predicted_ms(&self) -> f64 {
+        match (self.first_token_at, self.last_token_at) {
+            (Some(f), Some(l)) => ms(l.duration_since(f)),
+            _ => 0.0,
+        }
+    }
+    /// Queued → first token.
+    #[cfg(test)]
+    pub(crate) fn ttft_ms(&self) -> f64 {
+        ms(self
+            .first_token_at
+            .unwrap_or(self.finished_at)
+            .duration_since(self.queued_at))
+    }
+}
+
+/// The engine is gone (its task ended); the request cannot run.
+#[derive(Debug, thiserror::Error)]
+#[error("the mock engine is not running")]
+pub(crate) struct EngineGone;
+
+struct Submission {
+    job: Job,
+    queued_at: Instant,
+    tx: mpsc::Sender<Event>,
+}
+
+/// Handle to the engine task. Cloning shares the same engine. The task starts on the first
+/// submission and ends when every handle is dropped and no request is left.
+#[derive(Clone)]
+pub(crate) struct Engine {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    tx: mpsc::UnboundedSender<Submission>,
+    /// The receiver, until the task is spawned.
+    unstarted: Mutex<Option<mpsc::UnboundedReceiver<Submission>>>,
+    params: EngineParams,
+    stats: Arc<Stats>,
+}
+
+impl Engine {
+    pub(crate) fn new(params: EngineParams, stats: Arc<Stats>) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Self {
+            shared: Arc::new(Shared {
+                tx,
+                unstarted: Mutex::new(Some(rx)),
+                params,
+                stats,
+            }),
+        }
+    }
+
+    /// Queues `job`; its events arrive on the returned receiver. Dropping the receiver aborts
+    /// the request (its slot is freed at the start of the next step). Must be called inside a
+    /// Tokio runtime (the first call spawns the engine task).
+    pub(crate) fn submit(&self, job: Job) -> Result<mpsc::Receiver<Event>, EngineGone> {
+        if let Some(rx) = self.shared.unstarted.lock().take() {
+            tokio::spawn(run(rx, self.shared.params, self.shared.stats.clone()));
+        }
+        let (tx, rx) = mpsc::channel(EVENT_CHANNEL);
+        let stats = &self.shared.stats;
+        stats.waiting.fetch_add(1, Ordering::Relaxed);
+        let sub = Submission {
+            job,
+            queued_at: Instant::now(),
+            tx,
+        };
+        if self.shared.tx.send(sub).is_err() {
+            stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            return Err(EngineGone);
+        }
+        Ok(rx)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Plan {
+    /// No work this step (prefill budget exhausted, or the client's channel is full).
+    Idle,
+    /// Prefill this many prompt tokens.
+    Prefill(u64),
+    /// Generate one token.
+    Decode,
+}
+
+/// A running sequence.
+struct Seq {
+    job: Job,
+    tx: mpsc::Sender<Event>,
+    queued_at: Instant,
+    scheduled_at: Instant,
+    /// Prompt tokens to prefill: `max(prompt_tokens, 1)`.
+    prefill_total: u64,
+    prefilled: u64,
+    generated: u64,
+    first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+    plan: Plan,
+}
+
+impl Seq {
+    fn admit(sub: Submission, now: Instant) -> Self {
+        Self {
+            job: sub.job,
+            tx: sub.tx,
+            queued_at: sub.queued_at,
+            scheduled_at: now,
+            prefill_total: sub.job.prompt_tokens.max(1),
+            prefilled: 0,
+            generated: 0,
+            first_token_at: None,
+            last_token_at: None,
+            plan: Plan::Idle,
+        }
+    }
+
+    /// Applies this step's plan at `now`. Returns whether the sequence stays running.
+    fn finish_step(&mut self, now: Instant, stats: &Stats) -> bool {
+        let emits = match std::mem::replace(&mut self.plan, Plan::Idle) {
+            Plan::Idle => return true,
+            Plan::Prefill(chunk) => {
+                self.prefilled += chunk;
+                let done = self.prefilled >= self.prefill_total;
+                if done {
+                    stats
+                        .prompt_tokens
+                        .fetch_add(self.job.prompt_tokens, Ordering::Relaxed);
+                }
+                done
+            }
+            Plan::Decode => true,
+        };
+        if !emits {
+            return true;
+        }
+        if self.generated < self.job.output_tokens {
+            // Planning checked the capacity and only this task sends, so this cannot be `Full`;
+            // an error means the receiver is gone.
+            if self
+                .tx
+                .try_send(Event::Token {
+                    index: self.generated,
+                })
+                .is_err()
+            {
+                stats.aborted.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
+            self.generated += 1;
+            stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            self.first_token_at.get_or_insert(now);
+            self.last_token_at = Some(now);
+        }
+        if self.generated < self.job.output_tokens {
+            return true;
+        }
+        let summary = Summary {
+            prompt_tokens: self.job.prompt_tokens,
+            completion_tokens: self.generated,
+            queued_at: self.queued_at,
+            scheduled_at: self.scheduled_at,
+            first_token_at: self.first_token_at,
+            last_token_at: self.last_token_at,
+            finished_at: now,
+        };
+        let counter = match self.tx.try_send(Event::Finished(summary)) {
+            Ok(()) => &stats.finished,
+            Err(_) => &stats.aborted,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        false
+    }
+}
+
+/// The step loop. Ends when every [`Engine`] handle is gone and nothing is waiting or running.
+async fn run(mut rx: mpsc::UnboundedReceiver<Submission>, p: EngineParams, stats: Arc<Stats>) {
+    let mut waiting: VecDeque<Submission> = VecDeque::new();
+    let mut running: Vec<Seq> = Vec::new();
+    // Where the step loop would be with a perfect timer.
+    let mut ideal = Instant::now();
+    loop {
+        if waiting.is_empty() && running.is_empty() {
+            match rx.recv().await {
+                Some(sub) => waiting.push_back(sub),
+                None => return,
+            }
+            ideal = Instant::now();
+        }
+        while let Ok(sub) = rx.try_recv() {
+            waiting.push_back(sub);
+        }
+
+        // Drop requests whose client went away.
+        waiting.retain(|s| {
+            let alive = !s.tx.is_closed();
+            if !alive {
+                stats.waiting.fetch_sub(1, Ordering::Relaxed);
+                stats.aborted.fetch_add(1, Ordering::Relaxed);
+            }
+            alive
+        });
+        running.retain(|s| {
+            let alive = !s.tx.is_closed();
+            if !alive {
+                stats.aborted.fetch_add(1, Ordering::Relaxed);
+            }
+            alive
+        });
+
+        // Admit in FIFO order.
+        let step_start = Instant::now();
+        while running.len() < p.slots {
+            let Some(sub) = waiting.pop_front() else {
+                break;
+            };
+            stats.waiting.fetch_sub(1, Ordering::Relaxed);
+            running.push(Seq::admit(sub, step_start));
+        }
+        stats.running.store(running.len(), Ordering::Relaxed);
+        if running.is_empty() {
+            continue;
+        }
+
+        // Plan: prefill chunks share the budget in admission order; decoders get one token.
+        let mut budget = p.max_prefill_tokens_per_step;
+        let mut prefill_tokens = 0u64;
+        let mut batch = 0usize;
+        for s in &mut running {
+            // Room for a token and the final event.
+            let room = s.tx.capacity() >= 2;
+            let remaining = s.prefill_total - s.prefilled;
+            s.plan = if remaining > 0 {
+                let chunk = remaining.min(budget);
+                if chunk == 0 || (chunk == remaining && !room) {
+                    Plan::Idle
+                } else {
+                    budget -= chunk;
+                    prefill_tokens += chunk;
+                    Plan::Prefill(chunk)
+                }
+            } else if room {
+                Plan::Decode
+            } else {
+                Plan::Idle
+            };
+            if s.plan != Plan::Idle {
+                batch += 1;
+            }
+        }
+
+        // Run the step.
+        let floor = step_start.checked_sub(MAX_CATCH_UP).unwrap_or(step_start);
+        ideal = ideal.max(floor) + p.step_duration(batch, prefill_tokens);
+        if ideal > Instant::now() {
+            tokio::time::sleep_until(ideal).await;
+        } else {
+            tokio::task::yield_now().await;
+        }
+        let now = Instant::now();
+        running.retain_mut(|s| s.finish_step(now, &stats));
+        stats.running.store(running.len(), Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Integral-millisecond parameters so that virtual time gives exact values:
+    /// 512 prompt tokens cost 4 ms; a step is 8 ms + 1 ms per extra sequence.
+    fn params(slots: usize) -> EngineParams {
+        EngineParams {
+            slots,
+            time_scale: 1.0,
+            prefill_ms_per_token: 1.0 / 128.0,
+            decode_base_ms: 8.0,
+            decode_ms_per_seq: 1.0,
+            max_prefill_tokens_per_step: 512,
+        }
+    }
+
+    fn engine(slots: usize) -> (Engine, Arc<Stats>) {
+        let stats = Arc::new(Stats::default());
+        (Engine::new(params(slots), stats.clone()), stats)
+    }
+
+    fn job(prompt_tokens: u64, output_tokens: u64) -> Job {
+        Job {
+            prompt_tokens,
+            output_tokens,
+        }
+    }
+
+    /// Reads a request to its end: token indices and the summary.
+    async fn collect(mut rx: mpsc::Receiver<Event>) -> (Vec<u64>, Summary) {
+        let mut tokens = Vec::new();
+        loop {
+            match rx.recv().await.expect("engine ended the request early") {
+                Event::Token { index } => tokens.push(index),
+                Event::Finished(s) => return (tokens, s),
+            }
+        }
+    }
+
+    async fn run_all(engine: &Engine, jobs: &[Job]) -> Vec<(Vec<u64>, Summary)> {
+        let rxs: Vec<_> = jobs
+            .iter()
+            .map(|j| engine.submit(*j).expect("engine running"))
+            .collect();
+        let mut out = Vec::new();
+        for rx in rxs {
+            out.push(collect(rx).await);
+        }
+        out
+    }
+
+    fn assert_ordered(s: &Summary) {
+        assert!(s.queued_at <= s.scheduled_at);
+        if let (Some(f), Some(l)) = (s.first_token_at, s.last_token_at) {
+            assert!(s.scheduled_at <= f && f <= l && l <= s.finished_at);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn single_request_phases() {
+        let (e, stats) = engine(8);
+        let r = run_all(&e, &[job(128, 10)]).await;
+        let (tokens, s) = &r[0];
+        assert_eq!(tokens, &(0..10).collect::<Vec<_>>());
+        assert_ordered(s);
+        assert_eq!(s.completion_tokens, 10);
+        assert_eq!(s.queue_ms(), 0.0);
+        // One step: 8 ms + 128 × 1/128 ms; it also yields the first token.
+        assert_eq!(s.prompt_ms(), 9.0);
+        // Nine more decode steps alone.
+        assert_eq!(s.predicted_ms(), 72.0);
+        assert_eq!(s.last_token_at, Some(s.finished_at));
+        assert_eq!(stats.prompt_tokens.load(Ordering::Relaxed), 128);
+        assert_eq!(stats.generated_tokens.load(Ordering::Relaxed), 10);
+        assert_eq!(stats.finished.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.running.load(Ordering::Relaxed), 0);
+        assert_eq!(stats.waiting.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn long_prompt_inflates_short_ttft() {
+        let (e, _) = engine(8);
+        let alone = run_all(&e, &[job(10, 5)]).await[0].1;
+        let (e, _) = engine(8);
+        // The long prompt is first in FIFO order and takes the whole prefill budget for 4 steps
+        // (4 × (8 + 4) ms) before the short one gets its chunk.
+        let r = run_all(&e, &[job(2048, 5), job(10, 5)]).await;
+        let beside = r[1].1;
+        assert_ordered(&beside);
+        assert!(alone.ttft_ms() < 10.0, "alone {}", alone.ttft_ms());
+        assert!(
+            beside.ttft_ms() >= alone.ttft_ms() + 40.0,
+            "beside {} alone {}",
+            beside.ttft_ms(),
+            alone.ttft_ms()
+        );
+        // Admitted at once (slots are free): the delay is prefill, not queueing.
+        assert_eq!(beside.queue_ms(), 0.0);
+        assert!(beside.prompt_ms() >= 48.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn queues_beyond_slots() {
+        let (e, stats) = engine(2);
+        let rxs: Vec<_> = (0..4)
+            .map(|_| e.submit(job(128, 5)).expect("engine running"))
+            .collect();
+        assert_eq!(stats.waiting.load(Ordering::Relaxed), 4);
+        // Let the engine admit and run its first step.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(stats.running.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.waiting.load(Ordering::Relaxed), 2);
+        let mut done = Vec::new();
+        for rx in rxs {
+            done.push(collect(rx).await.1);
+        }
+        // First two: step 1 = 8 + 1 + 2 (256 prompt tokens) = 11 ms, then 4 decode steps of 9.
+        for s in &done[..2] {
+            assert_eq!(s.queue_ms(), 0.0);
+            assert_eq!(s.prompt_ms(), 11.0);
+            assert_eq!(s.predicted_ms(), 36.0);
+        }
+        // The other two wait for those to finish at 47 ms, then run the same way.
+        for s in &done[2..] {
+            assert_ordered(s);
+            assert_eq!(s.queue_ms(), 47.0);
+            assert_eq!(s.prompt_ms(), 11.0);
+        }
+        assert_eq!(stats.running.load(Ordering::Relaxed), 0);
+        assert_eq!(stats.waiting.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn decode_slows_with_batch_size() {
+        let (e, _) = engine(8);
+        let alone = run_all(&e, &[job(64, 11)]).await[0].1;
+        assert_eq!(alone.predicted_ms(), 10.0 * 8.0);
+        let (e, _) = engine(8);
+        // 8 × 64 = 512 prompt tokens fit in one step; then decode steps of 8 + 7 ms.
+        let crowd = run_all(&e, &[job(64, 11); 8]).await;
+        for (_, s) in &crowd {
+            assert_eq!(s.prompt_ms(), 8.0 + 7.0 + 4.0);
+            assert_eq!(s.predicted_ms(), 10.0 * 15.0);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn zero_output_tokens_finishes_after_prefill() {
+        let (e, _) = engine(1);
+        let (tokens, s) = &run_all(&e, &[job(0, 0)]).await[0];
+        assert!(tokens.is_empty());
+        assert_eq!(s.completion_tokens, 0);
+        assert_eq!(s.first_token_at, None);
+        assert_eq!(s.predicted_ms(), 0.0);
+        assert!(s.prompt_ms() > 0.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn dropped_receiver_frees_the_slot() {
+        let (e, stats) = engine(1);
+        let mut first = e.submit(job(8, 1000)).expect("engine running");
+        let second = e.submit(job(8, 3)).expect("engine running");
+        assert!(matches!(first.recv().await, Some(Event::Token { index: 0 })));
+        assert_eq!(stats.running.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.waiting.load(Ordering::Relaxed), 1);
+        drop(first);
+        let (tokens, s) = collect(second).await;
+        assert_eq!(tokens.len(), 3);
+        // Scheduled within a step or two of the abort, not after 1000 tokens.
+        assert!(s.queue_ms() < 30.0, "queue {}", s.queue_ms());
+        assert_eq!(stats.aborted.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.running.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slow_reader_stalls_only_itself() {
+        let (e, stats) = engine(2);
+        let slow = e.submit(job(8, 200)).expect("engine running");
+        let fast = collect(e.submit(job(8, 100)).expect("engine running")).await;
+        assert_eq!(fast.0.len(), 100);
+        // The slow one filled its channel and waits, still holding its slot.
+        assert_eq!(stats.running.load(Ordering::Relaxed), 1);
+        let (tokens, s) = collect(slow).await;
+        assert_eq!(tokens, (0..200).collect::<Vec<_>>());
+        assert_eq!(s.completion_tokens, 200);
+    }
+}

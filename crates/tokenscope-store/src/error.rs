@@ -1,0 +1,47 @@
+//! The crate's error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the store, the pipeline or a report.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// An error from SQLite.
+    #[error("sqlite: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// The database was written by a newer tokenscope with a schema this build does not know.
+    #[error("database schema version {found} is newer than this build supports ({supported})")]
+    SchemaTooNew {
+        /// `PRAGMA user_version` found in the file.
+        found: u32,
+        /// The newest schema version this build knows.
+        supported: u32,
+    },
+    /// A read-only open found no tokenscope schema in the file.
+    #[error("{0}: not a tokenscope database (no schema); open it read-write once to create it")]
+    NoSchema(PathBuf),
+    /// A stored value could not be mapped back to a record field.
+    #[error("column {column}: unexpected stored value {value:?}")]
+    Decode {
+        /// Column name.
+        column: &'static str,
+        /// The offending value.
+        value: String,
+    },
+    /// A report query is malformed (bad range, zero interval, unknown dimension…).
+    #[error("invalid report query: {0}")]
+    InvalidQuery(String),
+    /// A record sink other than SQLite failed.
+    #[error("sink {sink}: {message}")]
+    Sink {
+        /// [`RecordSink::name`](crate::RecordSink::name) of the sink.
+        sink: &'static str,
+        /// What went wrong.
+        message: String,
+    },
+    /// A sink panicked while writing a batch (the panic was contained).
+    #[error("sink {0} panicked while writing a batch")]
+    SinkPanicked(&'static str),
+    /// File-system error (creating the database directory).
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}

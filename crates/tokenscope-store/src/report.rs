@@ -1,0 +1,1330 @@
+//! Grouped reports with exact percentiles.
+//!
+//! [`run_report`] selects the rows whose `created_at` lies in `[since_us, until_us)` (index
+//! range scan, only the columns the report needs), optionally filtered by dimension values,
+//! groups them by the requested [`Dimension`]s and, when [`ReportQuery::interval`] is set, by
+//! time bucket, and computes per group: request count, `ok` count, success rate, QPS, exact
+//! TTFT / TPOT / end-to-end quantiles and token sums.
+//!
+//! ## Percentile definition
+//!
+//! Percentiles are **exact nearest-rank** percentiles over every value in the group — never
+//! averaged across groups, never interpolated from a histogram: for `n` values sorted
+//! ascending `x₁ ≤ … ≤ xₙ`, `P(q) = x_k` with `k = ⌈q·n⌉` (and `k ≥ 1`). So P50 of
+//! `[1, 2, 3, 4]` is `2`, P99 of 100 values is the 99th smallest, and every reported
+//! percentile is a value that was actually measured. `q·n` is computed in integer arithmetic
+//! (q in millionths), so there is no floating-point off-by-one at exact ranks.
+//!
+//! Missing values are excluded from that metric only: a non-streamed request has no TTFT and
+//! no TPOT, so it counts in `count` and in `e2e`, but not in `ttft.n` or `tpot.n`. A group
+//! whose metric has no value at all reports `None` (`null` in JSON, empty in CSV, `-` in the
+//! table).
+//!
+//! ## Semantics of the other columns
+//!
+//! * `count` — requests in the group; `ok` — those with `outcome = 'ok'`;
+//!   `success_rate = ok / count`.
+//! * `qps = count / window seconds`. The window is the query range `[since, until)` (`until`
+//!   defaults to now). With an interval, it is the bucket `[start, start + interval)`
+//!   clipped to the query range, so a partial first or last bucket is not under-reported.
+//! * Time buckets are aligned to the Unix epoch (UTC): with a 1-day interval a bucket is one
+//!   UTC calendar day. `bucket_start_us` is the bucket's start in epoch µs.
+//! * Token columns are sums of the known values (`NULL` counts as 0).
+//! * A `NULL` dimension value (e.g. no `user_id`) forms its own group, shown as `(none)`; a
+//!   filter value of `(none)` selects it. `stream` groups are `true` / `false`.
+//! * Rows are ordered by bucket, then by group values: text ascending (byte order),
+//!   input buckets shortest first, `false` before `true`, `(none)` last.
+//!
+//! ## Output formats ([`render`])
+//!
+//! JSON is an array of flat objects, CSV has one header row with the same names; the field
+//! names are stable: `bucket_start_us`, `bucket_start` (RFC 3339, only with an interval), one
+//! field per group dimension named as the dimension (`model`, `input_bucket`, `user`, …),
+//! `count`, `ok`, `success_rate`, `qps`, then for each of `ttft`, `tpot`, `e2e`:
+//! `<m>_n`, `<m>_p50_ms`, `<m>_p90_ms`, `<m>_p95_ms`, `<m>_p99_ms`, `<m>_mean_ms`, then
+//! `input_tokens`, `output_tokens`, `cached_tokens`. The table (comfy-table) shows a
+//! human-sized subset (P50/P95/P99).
+//!
+//! ## Performance
+//!
+//! One pass over the selected rows; group keys are small integer vectors (dimension values
+//! are interned per distinct value, so no `String` is allocated per row), values go into
+//! per-group `Vec<f64>`s and quantiles are taken with `select_nth_unstable_by` (linear time).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::str::FromStr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use comfy_table::{presets, Cell, CellAlignment, ContentArrangement, Table};
+use rusqlite::types::ValueRef;
+use rusqlite::Connection;
+use serde::ser::{SerializeMap, Serializer};
+use serde::Serialize;
+use tokenscope_core::{InputBucket, Outcome};
+
+use crate::sqlite::{parse_endpoint, parse_input_bucket, TABLE};
+use crate::{SqliteStore, StoreError};
+
+/// How a `NULL` dimension value is shown, and the filter value that selects it.
+pub const NONE_LABEL: &str = "(none)";
+
+/// A grouping / filtering dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Dimension {
+    /// `model` (as requested by the client).
+    Model,
+    /// `input_bucket` (`0-128`, `128-512`, `512-2048`, `2048+`).
+    InputBucket,
+    /// `user_id`.
+    User,
+    /// `tenant`.
+    Tenant,
+    /// `business_line`.
+    BusinessLine,
+    /// `request_type`.
+    RequestType,
+    /// `outcome` (`ok`, `client_error`, `upstream_error`, `timeout`, `cancelled`).
+    Status,
+    /// `endpoint` (`chat_completions`, `completions`, `embeddings`).
+    Endpoint,
+    /// `upstream`.
+    Upstream,
+    /// `stream` (`true` / `false`).
+    Stream,
+}
+
+impl Dimension {
+    /// Every dimension.
+    pub const ALL: [Dimension; 10] = [
+        Dimension::Model,
+        Dimension::InputBucket,
+        Dimension::User,
+        Dimension::Tenant,
+        Dimension::BusinessLine,
+        Dimension::RequestType,
+        Dimension::Status,
+        Dimension::Endpoint,
+        Dimension::Upstream,
+        Dimension::Stream,
+    ];
+
+    /// The name accepted by [`FromStr`] and used as the output field name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dimension::Model => "model",
+            Dimension::InputBucket => "input_bucket",
+            Dimension::User => "user",
+            Dimension::Tenant => "tenant",
+            Dimension::BusinessLine => "business_line",
+            Dimension::RequestType => "request_type",
+            Dimension::Status => "status",
+            Dimension::Endpoint => "endpoint",
+            Dimension::Upstream => "upstream",
+            Dimension::Stream => "stream",
+        }
+    }
+
+    /// The `llm_inference_log` column behind the dimension.
+    pub fn column(self) -> &'static str {
+        match self {
+            Dimension::Model => "model",
+            Dimension::InputBucket => "input_bucket",
+            Dimension::User => "user_id",
+            Dimension::Tenant => "tenant",
+            Dimension::BusinessLine => "business_line",
+            Dimension::RequestType => "request_type",
+            Dimension::Status => "outcome",
+            Dimension::Endpoint => "endpoint",
+            Dimension::Upstream => "upstream",
+            Dimension::Stream => "stream",
+        }
+    }
+}
+
+impl fmt::Display for Dimension {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Dimension {
+    type Err = StoreError;
+
+    /// Accepts the [`Dimension::as_str`] names (case-insensitive, `-` or `_`), plus the column
+    /// names `user_id` and `outcome`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let norm = s.trim().to_ascii_lowercase().replace('-', "_");
+        let alias = match norm.as_str() {
+            "user_id" => Some(Dimension::User),
+            "outcome" => Some(Dimension::Status),
+            _ => None,
+        };
+        alias
+            .or_else(|| Dimension::ALL.into_iter().find(|d| d.as_str() == norm))
+            .ok_or_else(|| {
+                StoreError::InvalidQuery(format!(
+                    "unknown dimension {s:?}; expected one of {}",
+                    Dimension::ALL.map(Dimension::as_str).join(", ")
+                ))
+            })
+    }
+}
+
+/// What to report on.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReportQuery {
+    /// Start of the range, inclusive, epoch µs.
+    pub since_us: i64,
+    /// End of the range, exclusive, epoch µs; `None` = up to now.
+    pub until_us: Option<i64>,
+    /// Grouping dimensions, in output order (may be empty: one row per bucket).
+    pub group_by: Vec<Dimension>,
+    /// Time-bucket length (epoch-aligned); `None` = the whole range is one bucket.
+    pub interval: Option<Duration>,
+    /// Equality filters, ANDed. The value [`NONE_LABEL`] selects `NULL`.
+    pub filters: Vec<(Dimension, String)>,
+}
+
+/// Exact quantiles of one metric over one group, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+pub struct Quantiles {
+    /// Number of values (rows where the metric is known).
+    pub n: u64,
+    /// Nearest-rank P50.
+    pub p50: Option<f64>,
+    /// Nearest-rank P90.
+    pub p90: Option<f64>,
+    /// Nearest-rank P95.
+    pub p95: Option<f64>,
+    /// Nearest-rank P99.
+    pub p99: Option<f64>,
+    /// Arithmetic mean.
+    pub mean: Option<f64>,
+}
+
+impl Quantiles {
+    /// Computes the quantiles of `values` (reordered in place; NaNs must not be present).
+    pub fn from_values(values: &mut [f64]) -> Self {
+        let n = values.len();
+        if n == 0 {
+            return Self::default();
+        }
+        let ks = [
+            nearest_rank(n, 0.50) - 1,
+            nearest_rank(n, 0.90) - 1,
+            nearest_rank(n, 0.95) - 1,
+            nearest_rank(n, 0.99) - 1,
+        ];
+        let mut out = [0.0; 4];
+        let mut lo = 0;
+        for (slot, &k) in out.iter_mut().zip(&ks) {
+            if k >= lo {
+                let (_, v, _) = values[lo..].select_nth_unstable_by(k - lo, f64::total_cmp);
+                *slot = *v;
+                lo = k + 1;
+            } else {
+                // Same rank as the previous quantile: already in place.
+                *slot = values[k];
+            }
+        }
+        let sum: f64 = values.iter().sum();
+        Self {
+            n: n as u64,
+            p50: Some(out[0]),
+            p90: Some(out[1]),
+            p95: Some(out[2]),
+            p99: Some(out[3]),
+            mean: Some(sum / n as f64),
+        }
+    }
+}
+
+/// The 1-based nearest rank `k = ⌈q·n⌉` (at least 1, at most `n`) of quantile `q ∈ (0, 1]`
+/// among `n ≥ 1` values. `q` is taken in millionths, so `q·n` is exact.
+pub fn nearest_rank(n: usize, q: f64) -> usize {
+    let q_ppm = (q.clamp(0.0, 1.0) * 1e6).round() as u128;
+    let k = (q_ppm * n as u128).div_ceil(1_000_000);
+    (k as usize).clamp(1, n.max(1))
+}
+
+/// One output row: one group in one time bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportRow {
+    /// Start of the time bucket (epoch µs), when the query has an interval.
+    pub bucket_start_us: Option<i64>,
+    /// The group's value for each `group_by` dimension, in query order.
+    pub group: Vec<(Dimension, String)>,
+    /// Requests.
+    pub count: u64,
+    /// Requests with outcome `ok`.
+    pub ok: u64,
+    /// `ok / count`.
+    pub success_rate: f64,
+    /// `count` per second of the row's window.
+    pub qps: f64,
+    /// Time to first token.
+    pub ttft: Quantiles,
+    /// Time per output token.
+    pub tpot: Quantiles,
+    /// End-to-end duration (`total_duration_ms`).
+    pub e2e: Quantiles,
+    /// Sum of `input_tokens`.
+    pub input_tokens: u64,
+    /// Sum of `output_tokens`.
+    pub output_tokens: u64,
+    /// Sum of `cached_tokens`.
+    pub cached_tokens: u64,
+}
+
+/// Output format of [`render`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Format {
+    /// Human-readable table.
+    #[default]
+    Table,
+    /// JSON array of flat objects.
+    Json,
+    /// CSV with a header row.
+    Csv,
+}
+
+impl FromStr for Format {
+    type Err = StoreError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "table" => Ok(Format::Table),
+            "json" => Ok(Format::Json),
+            "csv" => Ok(Format::Csv),
+            other => Err(StoreError::InvalidQuery(format!(
+                "unknown format {other:?}; expected table, json or csv"
+            ))),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Query execution
+// ---------------------------------------------------------------------------------------------
+
+/// Runs `q` against a store (see the module docs for the semantics).
+pub fn run_report(store: &SqliteStore, q: &ReportQuery) -> Result<Vec<ReportRow>, StoreError> {
+    run_report_on(store.conn(), q)
+}
+
+/// [`run_report`] on a raw connection holding the tokenscope schema.
+pub fn run_report_on(conn: &Connection, q: &ReportQuery) -> Result<Vec<ReportRow>, StoreError> {
+    let now_us = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+        .unwrap_or(0);
+    run_report_at(conn, q, now_us)
+}
+
+/// A small, fast, non-cryptographic hasher (FxHash) for the per-row group lookups.
+#[derive(Default, Clone, Copy)]
+struct FxHasher(u64);
+
+impl FxHasher {
+    #[inline]
+    fn add(&mut self, w: u64) {
+        self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+impl Hasher for FxHasher {
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            self.add(u64::from_le_bytes(w));
+        }
+        let rest = chunks.remainder();
+        if !rest.is_empty() {
+            let mut w = [0u8; 8];
+            w[..rest.len()].copy_from_slice(rest);
+            self.add(u64::from_le_bytes(w) ^ ((rest.len() as u64) << 59));
+        }
+    }
+    #[inline]
+    fn write_u8(&mut self, i: u8) {
+        self.add(u64::from(i));
+    }
+    #[inline]
+    fn write_u32(&mut self, i: u32) {
+        self.add(u64::from(i));
+    }
+    #[inline]
+    fn write_u64(&mut self, i: u64) {
+        self.add(i);
+    }
+    #[inline]
+    fn write_usize(&mut self, i: usize) {
+        self.add(i as u64);
+    }
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
+
+/// Interns one dimension's values: id ≥ 0 per distinct text, -1 for NULL.
+#[derive(Default)]
+struct Interner {
+    ids: FxMap<Vec<u8>, i64>,
+    names: Vec<String>,
+}
+
+impl Interner {
+    #[inline]
+    fn id_of(&mut self, dim: Dimension, v: ValueRef<'_>) -> i64 {
+        match v {
+            ValueRef::Null => -1,
+            ValueRef::Integer(i) if dim == Dimension::Stream => i64::from(i != 0),
+            ValueRef::Text(b) | ValueRef::Blob(b) => self.text_id(b),
+            ValueRef::Integer(i) => self.text_id(i.to_string().as_bytes()),
+            ValueRef::Real(f) => self.text_id(f.to_string().as_bytes()),
+        }
+    }
+
+    #[inline]
+    fn text_id(&mut self, b: &[u8]) -> i64 {
+        if let Some(&id) = self.ids.get(b) {
+            return id;
+        }
+        let id = self.names.len() as i64;
+        self.names.push(String::from_utf8_lossy(b).into_owned());
+        self.ids.insert(b.to_vec(), id);
+        id
+    }
+
+    fn label(&self, dim: Dimension, id: i64) -> String {
+        if id < 0 {
+            return NONE_LABEL.to_owned();
+        }
+        if dim == Dimension::Stream {
+            return if id == 1 { "true" } else { "false" }.to_owned();
+        }
+        usize::try_from(id)
+            .ok()
+            .and_then(|i| self.names.get(i))
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+#[derive(Default)]
+struct Acc {
+    count: u64,
+    ok: u64,
+    ttft: Vec<f64>,
+    tpot: Vec<f64>,
+    e2e: Vec<f64>,
+    input_tokens: u64,
+    output_tokens: u64,
+    cached_tokens: u64,
+}
+
+#[inline]
+fn real(v: ValueRef<'_>) -> Option<f64> {
+    match v {
+        ValueRef::Real(f) if !f.is_nan() => Some(f),
+        ValueRef::Integer(i) => Some(i as f64),
+        _ => None,
+    }
+}
+
+#[inline]
+fn tokens(v: ValueRef<'_>) -> u64 {
+    match v {
+        ValueRef::Integer(i) => u64::try_from(i).unwrap_or(0),
+        _ => 0,
+    }
+}
+
+fn validate(q: &ReportQuery) -> Result<(), StoreError> {
+    if let Some(until) = q.until_us {
+        if until <= q.since_us {
+            return Err(StoreError::InvalidQuery(format!(
+                "until ({until}) must be after since ({})",
+                q.since_us
+            )));
+        }
+    }
+    if let Some(iv) = q.interval {
+        if iv.as_micros() == 0 {
+            return Err(StoreError::InvalidQuery(
+                "interval must be at least 1 µs".to_owned(),
+            ));
+        }
+    }
+    for (i, d) in q.group_by.iter().enumerate() {
+        if q.group_by[..i].contains(d) {
+            return Err(StoreError::InvalidQuery(format!(
+                "dimension {d} is grouped twice"
+            )));
+        }
+    }
+    Ok(())
+}
+
+enum FilterValue {
+    Null,
+    Text(String),
+    Int(i64),
+}
+
+fn filter_value(dim: Dimension, raw: &str) -> Result<FilterValue, StoreError> {
+    if raw == NONE_LABEL {
+        return Ok(FilterValue::Null);
+    }
+    let bad = |expected: &str| {
+        StoreError::InvalidQuery(format!("filter {dim}={raw:?}: expected {expected}"))
+    };
+    match dim {
+        Dimension::Stream => match raw.to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" => Ok(FilterValue::Int(1)),
+            "false" | "0" | "no" => Ok(FilterValue::Int(0)),
+            _ => Err(bad("true or false")),
+        },
+        Dimension::Status => Outcome::parse(raw)
+            .map(|o| FilterValue::Text(o.as_str().to_owned()))
+            .ok_or_else(|| bad("ok, client_error, upstream_error, timeout or cancelled")),
+        Dimension::InputBucket => parse_input_bucket(raw)
+            .map(|b| FilterValue::Text(b.as_str().to_owned()))
+            .ok_or_else(|| bad("0-128, 128-512, 512-2048 or 2048+")),
+        Dimension::Endpoint => parse_endpoint(raw)
+            .map(|e| FilterValue::Text(e.as_str().to_owned()))
+            .ok_or_else(|| bad("chat_completions, completions or embeddings")),
+        _ => Ok(FilterValue::Text(raw.to_owned())),
+    }
+}
+
+/// [`run_report_on`] with an explicit "now" (used when `until_us` is `None`).
+pub fn run_report_at(
+    conn: &Connection,
+    q: &ReportQuery,
+    now_us: i64,
+) -> Result<Vec<ReportRow>, StoreError> {
+    validate(q)?;
+    let until_eff = q.until_us.unwrap_or(now_us);
+    let interval_us = q
+        .interval
+        .map(|iv| i64::try_from(iv.as_micros()).unwrap_or(i64::MAX));
+
+    // Column order: 0 outcome, 1 ttft, 2 tpot, 3 total, 4 in, 5 out, 6 cached, 7 created_at,
+    // 8.. group dimensions.
+    const FIXED: usize = 8;
+    let mut sql = String::from(
+        "SELECT outcome, ttft_ms, tpot_ms, total_duration_ms, input_tokens, output_tokens, \
+         cached_tokens, created_at",
+    );
+    for d in &q.group_by {
+        sql.push_str(", ");
+        sql.push_str(d.column());
+    }
+    sql.push_str(&format!(" FROM {TABLE} WHERE created_at >= ?"));
+    let mut params: Vec<rusqlite::types::Value> = vec![q.since_us.into()];
+    if let Some(until) = q.until_us {
+        sql.push_str(" AND created_at < ?");
+        params.push(until.into());
+    }
+    for (d, raw) in &q.filters {
+        match filter_value(*d, raw)? {
+            FilterValue::Null => sql.push_str(&format!(" AND {} IS NULL", d.column())),
+            FilterValue::Text(s) => {
+                sql.push_str(&format!(" AND {} = ?", d.column()));
+                params.push(s.into());
+            }
+            FilterValue::Int(i) => {
+                sql.push_str(&format!(" AND {} = ?", d.column()));
+                params.push(i.into());
+            }
+        }
+    }
+
+    let mut stmt = conn.prepare_cached(&sql)?;
+    let mut rows = stmt.query(rusqlite::params_from_iter(params))?;
+
+    let ndims = q.group_by.len();
+    let key_len = ndims + 1;
+    let mut interners: Vec<Interner> = (0..ndims).map(|_| Interner::default()).collect();
+    let mut index: FxMap<Vec<i64>, usize> = FxMap::default();
+    let mut accs: Vec<(Vec<i64>, Acc)> = Vec::new();
+    let mut key: Vec<i64> = Vec::with_capacity(key_len);
+
+    while let Some(row) = rows.next()? {
+        key.clear();
+        let bucket = match interval_us {
+            Some(iv) => {
+                let at = match row.get_ref(7)? {
+                    ValueRef::Integer(at) => at,
+                    _ => 0,
+                };
+                at - at.rem_euclid(iv)
+            }
+            None => 0,
+        };
+        key.push(bucket);
+        for (i, d) in q.group_by.iter().enumerate() {
+            let v = row.get_ref(FIXED + i)?;
+            key.push(interners[i].id_of(*d, v));
+        }
+        let slot = match index.get(key.as_slice()) {
+            Some(&s) => s,
+            None => {
+                let s = accs.len();
+                accs.push((key.clone(), Acc::default()));
+                index.insert(key.clone(), s);
+                s
+            }
+        };
+        let acc = &mut accs[slot].1;
+        acc.count += 1;
+        if matches!(row.get_ref(0)?, ValueRef::Text(b"ok")) {
+            acc.ok += 1;
+        }
+        if let Some(v) = real(row.get_ref(1)?) {
+            acc.ttft.push(v);
+        }
+        if let Some(v) = real(row.get_ref(2)?) {
+            acc.tpot.push(v);
+        }
+        if let Some(v) = real(row.get_ref(3)?) {
+            acc.e2e.push(v);
+        }
+        acc.input_tokens += tokens(row.get_ref(4)?);
+        acc.output_tokens += tokens(row.get_ref(5)?);
+        acc.cached_tokens += tokens(row.get_ref(6)?);
+    }
+    drop(rows);
+
+    // Order: bucket, then each dimension's natural order.
+    let sort_key = |key: &[i64]| -> Vec<SortPart> {
+        q.group_by
+            .iter()
+            .enumerate()
+            .map(|(i, d)| sort_part(*d, &interners[i], key[i + 1]))
+            .collect()
+    };
+    let mut keyed: Vec<(i64, Vec<SortPart>, Vec<i64>, Acc)> = accs
+        .into_iter()
+        .map(|(k, a)| (k[0], sort_key(&k), k, a))
+        .collect();
+    keyed.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+
+    let range_secs = (until_eff.saturating_sub(q.since_us)) as f64 / 1e6;
+    let out = keyed
+        .into_iter()
+        .map(|(bucket, _, k, mut a)| {
+            let window_s = match interval_us {
+                Some(iv) => {
+                    let start = bucket.max(q.since_us);
+                    let end = bucket.saturating_add(iv).min(until_eff);
+                    (end.saturating_sub(start)) as f64 / 1e6
+                }
+                None => range_secs,
+            };
+            ReportRow {
+                bucket_start_us: interval_us.map(|_| bucket),
+                group: q
+                    .group_by
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| (*d, interners[i].label(*d, k[i + 1])))
+                    .collect(),
+                count: a.count,
+                ok: a.ok,
+                success_rate: if a.count == 0 {
+                    0.0
+                } else {
+                    a.ok as f64 / a.count as f64
+                },
+                qps: if window_s > 0.0 {
+                    a.count as f64 / window_s
+                } else {
+                    0.0
+                },
+                ttft: Quantiles::from_values(&mut a.ttft),
+                tpot: Quantiles::from_values(&mut a.tpot),
+                e2e: Quantiles::from_values(&mut a.e2e),
+                input_tokens: a.input_tokens,
+                output_tokens: a.output_tokens,
+                cached_tokens: a.cached_tokens,
+            }
+        })
+        .collect();
+    Ok(out)
+}
+
+/// Per-dimension ordering: (NULL last, numeric rank, text).
+#[derive(PartialEq, Eq, PartialOrd, Ord)]
+struct SortPart(bool, u32, String);
+
+fn sort_part(dim: Dimension, interner: &Interner, id: i64) -> SortPart {
+    if id < 0 {
+        return SortPart(true, 0, String::new());
+    }
+    let label = interner.label(dim, id);
+    let rank = match dim {
+        Dimension::Stream => u32::try_from(id).unwrap_or(0),
+        Dimension::InputBucket => parse_input_bucket(&label)
+            .and_then(|b| InputBucket::ALL.iter().position(|x| *x == b))
+            .map_or(u32::MAX, |p| p as u32),
+        _ => 0,
+    };
+    SortPart(false, rank, label)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rendering
+// ---------------------------------------------------------------------------------------------
+
+/// Formats epoch µs as RFC 3339 UTC (`2024-01-07T00:00:00Z`; sub-second part only when
+/// non-zero).
+pub fn format_utc(us: i64) -> String {
+    let secs = us.div_euclid(1_000_000);
+    let micros = us.rem_euclid(1_000_000);
+    let days = secs.div_euclid(86_400);
+    let sod = secs.rem_euclid(86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let (hh, mm, ss) = (sod / 3600, (sod % 3600) / 60, sod % 60);
+    if micros == 0 {
+        format!("{y:04}-{m:02}-{d:02}T{hh:02}:{mm:02}:{ss:02}Z")
+    } else {
+        format!("{y:04}-{m:02}-{d:02}T{hh:02}:{mm:02}:{ss:02}.{micros:06}Z")
+    }
+}
+
+/// One field of the flat (JSON / CSV) form of a row.
+enum Field {
+    Str(String),
+    UInt(u64),
+    Int(i64),
+    Num(Option<f64>),
+}
+
+const METRIC_FIELDS: [&str; 6] = ["n", "p50_ms", "p90_ms", "p95_ms", "p99_ms", "mean_ms"];
+
+fn flat_header(q: &ReportQuery) -> Vec<String> {
+    let mut h = Vec::new();
+    if q.interval.is_some() {
+        h.push("bucket_start_us".to_owned());
+        h.push("bucket_start".to_owned());
+    }
+    h.extend(q.group_by.iter().map(|d| d.as_str().to_owned()));
+    h.extend(["count", "ok", "success_rate", "qps"].map(str::to_owned));
+    for m in ["ttft", "tpot", "e2e"] {
+        h.extend(METRIC_FIELDS.iter().map(|f| format!("{m}_{f}")));
+    }
+    h.extend(["input_tokens", "output_tokens", "cached_tokens"].map(str::to_owned));
+    h
+}
+
+impl ReportRow {
+    /// The row as ordered `(field name, value)` pairs — the JSON / CSV form.
+    fn flat(&self) -> Vec<(String, Field)> {
+        let mut f = Vec::with_capacity(32);
+        if let Some(b) = self.bucket_start_us {
+            f.push(("bucket_start_us".to_owned(), Field::Int(b)));
+            f.push(("bucket_start".to_owned(), Field::Str(format_utc(b))));
+        }
+        for (d, v) in &self.group {
+            f.push((d.as_str().to_owned(), Field::Str(v.clone())));
+        }
+        f.push(("count".to_owned(), Field::UInt(self.count)));
+        f.push(("ok".to_owned(), Field::UInt(self.ok)));
+        f.push((
+            "success_rate".to_owned(),
+            Field::Num(Some(self.success_rate)),
+        ));
+        f.push(("qps".to_owned(), Field::Num(Some(self.qps))));
+        for (m, qs) in [
+            ("ttft", &self.ttft),
+            ("tpot", &self.tpot),
+            ("e2e", &self.e2e),
+        ] {
+            f.push((format!("{m}_n"), Field::UInt(qs.n)));
+            f.push((format!("{m}_p50_ms"), Field::Num(qs.p50)));
+            f.push((format!("{m}_p90_ms"), Field::Num(qs.p90)));
+            f.push((format!("{m}_p95_ms"), Field::Num(qs.p95)));
+            f.push((format!("{m}_p99_ms"), Field::Num(qs.p99)));
+            f.push((format!("{m}_mean_ms"), Field::Num(qs.mean)));
+        }
+        f.push(("input_tokens".to_owned(), Field::UInt(self.input_tokens)));
+        f.push(("output_tokens".to_owned(), Field::UInt(self.output_tokens)));
+        f.push(("cached_tokens".to_owned(), Field::UInt(self.cached_tokens)));
+        f
+    }
+}
+
+/// Serialises as the flat object described in the module docs (stable field order).
+impl Serialize for ReportRow {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let flat = self.flat();
+        let mut map = serializer.serialize_map(Some(flat.len()))?;
+        for (k, v) in &flat {
+            match v {
+                Field::Str(s) => map.serialize_entry(k, s)?,
+                Field::UInt(u) => map.serialize_entry(k, u)?,
+                Field::Int(i) => map.serialize_entry(k, i)?,
+                Field::Num(n) => map.serialize_entry(k, &n.filter(|x| x.is_finite()))?,
+            }
+        }
+        map.end()
+    }
+}
+
+fn csv_escape(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_owned()
+    }
+}
+
+fn fmt_ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".to_owned(), |x| format!("{x:.1}"))
+}
+
+/// Renders report rows. `q` supplies the columns (so an empty report still has a header).
+pub fn render(rows: &[ReportRow], q: &ReportQuery, format: Format) -> String {
+    match format {
+        Format::Json => serde_json::to_string_pretty(rows)
+            .unwrap_or_else(|e| format!("{{\"error\": {:?}}}", e.to_string())),
+        Format::Csv => {
+            let mut out = flat_header(q).join(",");
+            out.push('\n');
+            for r in rows {
+                let cells: Vec<String> = r
+                    .flat()
+                    .into_iter()
+                    .map(|(_, v)| match v {
+                        Field::Str(s) => csv_escape(&s),
+                        Field::UInt(u) => u.to_string(),
+                        Field::Int(i) => i.to_string(),
+                        Field::Num(n) => n
+                            .filter(|x| x.is_finite())
+                            .map_or_else(String::new, |x| x.to_string()),
+                    })
+                    .collect();
+                out.push_str(&cells.join(","));
+                out.push('\n');
+            }
+            out
+        }
+        Format::Table => {
+            let mut table = Table::new();
+            table
+                .load_style(presets::UTF8_FULL_CONDENSED)
+                .set_content_arrangement(ContentArrangement::Disabled);
+            let mut header: Vec<String> = Vec::new();
+            if q.interval.is_some() {
+                header.push("bucket (UTC)".to_owned());
+            }
+            header.extend(q.group_by.iter().map(|d| d.as_str().to_owned()));
+            header.extend(
+                [
+                    "count", "ok %", "qps", "ttft p50", "ttft p95", "ttft p99", "tpot p50",
+                    "tpot p95", "tpot p99", "e2e p50", "e2e p95", "e2e p99", "in tok", "out tok",
+                ]
+                .map(str::to_owned),
+            );
+            let numeric_from = header.len() - 14;
+            table.set_header(header.iter().map(Cell::new));
+            for r in rows {
+                let mut cells: Vec<String> = Vec::with_capacity(header.len());
+                if let Some(b) = r.bucket_start_us {
+                    cells.push(format_utc(b));
+                } else if q.interval.is_some() {
+                    cells.push(String::new());
+                }
+                cells.extend(r.group.iter().map(|(_, v)| v.clone()));
+                cells.push(r.count.to_string());
+                cells.push(format!("{:.2}", r.success_rate * 100.0));
+                cells.push(format!("{:.3}", r.qps));
+                for qs in [&r.ttft, &r.tpot, &r.e2e] {
+                    cells.push(fmt_ms(qs.p50));
+                    cells.push(fmt_ms(qs.p95));
+                    cells.push(fmt_ms(qs.p99));
+                }
+                cells.push(r.input_tokens.to_string());
+                cells.push(r.output_tokens.to_string());
+                table.add_row(cells.into_iter().enumerate().map(|(i, c)| {
+                    let cell = Cell::new(c);
+                    if i >= numeric_from {
+                        cell.set_alignment(CellAlignment::Right)
+                    } else {
+                        cell
+                    }
+                }));
+            }
+            let mut s = table.to_string();
+            s.push('\n');
+            s
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sqlite::tests::sparse_record;
+    use proptest::prelude::*;
+    use tokenscope_core::RequestRecord;
+
+    const DAY: i64 = 86_400_000_000;
+    const T0: i64 = 1_704_067_200 * 1_000_000; // 2024-01-01T00:00:00Z
+
+    #[allow(clippy::too_many_arguments)]
+    fn mk(
+        id: &str,
+        at: i64,
+        model: &str,
+        user: Option<&str>,
+        outcome: Outcome,
+        ttft: Option<f64>,
+        total: f64,
+        input: Option<u64>,
+    ) -> RequestRecord {
+        let mut r = sparse_record(id);
+        r.created_at = at;
+        r.model = model.to_owned();
+        r.user_id = user.map(str::to_owned);
+        r.outcome = outcome;
+        r.ttft_ms = ttft;
+        r.stream = ttft.is_some();
+        r.tpot_ms = ttft.map(|t| t / 10.0);
+        r.total_duration_ms = total;
+        r.input_tokens = input;
+        r.output_tokens = input.map(|i| i / 2);
+        r.cached_tokens = input.map(|_| 1);
+        r.input_bucket = input.map(InputBucket::of);
+        r
+    }
+
+    fn fixture() -> SqliteStore {
+        let mut s = SqliteStore::open_in_memory().expect("open");
+        let recs = vec![
+            // day 0
+            mk(
+                "1",
+                T0 + 10,
+                "a",
+                Some("u1"),
+                Outcome::Ok,
+                Some(100.0),
+                1000.0,
+                Some(50),
+            ),
+            mk(
+                "2",
+                T0 + 20,
+                "a",
+                Some("u2"),
+                Outcome::Ok,
+                Some(300.0),
+                3000.0,
+                Some(600),
+            ),
+            mk(
+                "3",
+                T0 + 30,
+                "a",
+                Some("u1"),
+                Outcome::Timeout,
+                None,
+                9000.0,
+                Some(3000),
+            ),
+            mk(
+                "4",
+                T0 + 40,
+                "b",
+                None,
+                Outcome::Ok,
+                Some(50.0),
+                500.0,
+                None,
+            ),
+            // day 1
+            mk(
+                "5",
+                T0 + DAY + 5,
+                "a",
+                Some("u1"),
+                Outcome::Ok,
+                Some(200.0),
+                2000.0,
+                Some(100),
+            ),
+            mk(
+                "6",
+                T0 + DAY + 6,
+                "b",
+                Some("u2"),
+                Outcome::UpstreamError,
+                None,
+                10.0,
+                Some(10),
+            ),
+            // day 2 (outside the usual range)
+            mk(
+                "7",
+                T0 + 2 * DAY,
+                "a",
+                Some("u1"),
+                Outcome::Ok,
+                Some(1.0),
+                1.0,
+                Some(1),
+            ),
+        ];
+        s.insert_batch(&recs).expect("insert");
+        s
+    }
+
+    fn q(group_by: Vec<Dimension>) -> ReportQuery {
+        ReportQuery {
+            since_us: T0,
+            until_us: Some(T0 + 2 * DAY),
+            group_by,
+            interval: None,
+            filters: vec![],
+        }
+    }
+
+    #[test]
+    fn group_by_model() {
+        let s = fixture();
+        let rows = run_report(&s, &q(vec![Dimension::Model])).expect("report");
+        assert_eq!(rows.len(), 2);
+        let a = &rows[0];
+        assert_eq!(a.group, vec![(Dimension::Model, "a".to_owned())]);
+        assert_eq!((a.count, a.ok), (4, 3));
+        assert!((a.success_rate - 0.75).abs() < 1e-12);
+        assert!((a.qps - 4.0 / (2.0 * 86_400.0)).abs() < 1e-12);
+        // ttft values: 100, 300, 200 (the timeout has none) → sorted 100, 200, 300.
+        assert_eq!(a.ttft.n, 3);
+        assert_eq!(a.ttft.p50, Some(200.0));
+        assert_eq!(a.ttft.p90, Some(300.0));
+        assert_eq!(a.ttft.mean, Some(200.0));
+        // e2e over all 4: 1000, 2000, 3000, 9000 → P50 = 2nd = 2000, P99 = 4th.
+        assert_eq!(a.e2e.n, 4);
+        assert_eq!(a.e2e.p50, Some(2000.0));
+        assert_eq!(a.e2e.p99, Some(9000.0));
+        assert_eq!(a.input_tokens, 50 + 600 + 3000 + 100);
+        assert_eq!(a.output_tokens, 25 + 300 + 1500 + 50);
+        assert_eq!(a.cached_tokens, 4);
+        let b = &rows[1];
+        assert_eq!(b.group[0].1, "b");
+        assert_eq!((b.count, b.ok, b.ttft.n, b.input_tokens), (2, 1, 1, 10));
+    }
+
+    #[test]
+    fn no_groups_one_row_and_open_until() {
+        let s = fixture();
+        let mut query = q(vec![]);
+        query.until_us = None;
+        let rows = run_report_at(s.conn(), &query, T0 + 4 * DAY).expect("report");
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].count, 7);
+        assert!(rows[0].group.is_empty());
+        assert!((rows[0].qps - 7.0 / (4.0 * 86_400.0)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn interval_buckets_and_ordering() {
+        let s = fixture();
+        let mut query = q(vec![Dimension::User]);
+        query.interval = Some(Duration::from_secs(86_400));
+        let rows = run_report(&s, &query).expect("report");
+        let got: Vec<(i64, String, u64)> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.bucket_start_us.expect("bucket"),
+                    r.group[0].1.clone(),
+                    r.count,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (T0, "u1".to_owned(), 2),
+                (T0, "u2".to_owned(), 1),
+                (T0, NONE_LABEL.to_owned(), 1),
+                (T0 + DAY, "u1".to_owned(), 1),
+                (T0 + DAY, "u2".to_owned(), 1),
+            ]
+        );
+        assert!((rows[0].qps - 2.0 / 86_400.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn partial_bucket_window_is_clipped() {
+        let s = fixture();
+        let query = ReportQuery {
+            since_us: T0 + DAY / 2,
+            until_us: Some(T0 + DAY + DAY / 4),
+            group_by: vec![],
+            interval: Some(Duration::from_secs(86_400)),
+            filters: vec![],
+        };
+        let rows = run_report(&s, &query).expect("report");
+        assert_eq!(rows.len(), 1); // day 0 rows are all before since
+        assert_eq!(rows[0].bucket_start_us, Some(T0 + DAY));
+        assert_eq!(rows[0].count, 2);
+        assert!((rows[0].qps - 2.0 / (86_400.0 / 4.0)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn filters() {
+        let s = fixture();
+        let mut query = q(vec![Dimension::Model, Dimension::Status]);
+        query.filters = vec![(Dimension::User, "u1".to_owned())];
+        let rows = run_report(&s, &query).expect("report");
+        let got: Vec<(String, String, u64)> = rows
+            .iter()
+            .map(|r| (r.group[0].1.clone(), r.group[1].1.clone(), r.count))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("a".to_owned(), "ok".to_owned(), 2),
+                ("a".to_owned(), "timeout".to_owned(), 1),
+            ]
+        );
+
+        let mut query = q(vec![]);
+        query.filters = vec![(Dimension::User, NONE_LABEL.to_owned())];
+        assert_eq!(run_report(&s, &query).expect("report")[0].count, 1);
+
+        let mut query = q(vec![Dimension::Stream]);
+        query.filters = vec![
+            (Dimension::Stream, "true".to_owned()),
+            (Dimension::Model, "a".to_owned()),
+        ];
+        let rows = run_report(&s, &query).expect("report");
+        assert_eq!(rows.len(), 1);
+        assert_eq!((rows[0].group[0].1.as_str(), rows[0].count), ("true", 3));
+
+        let mut query = q(vec![]);
+        query.filters = vec![(Dimension::Status, "nope".to_owned())];
+        assert!(matches!(
+            run_report(&s, &query),
+            Err(StoreError::InvalidQuery(_))
+        ));
+        // A filter matching nothing: no rows.
+        let mut query = q(vec![]);
+        query.filters = vec![(Dimension::Model, "zzz".to_owned())];
+        assert!(run_report(&s, &query).expect("report").is_empty());
+    }
+
+    #[test]
+    fn input_bucket_natural_order() {
+        let s = fixture();
+        let rows = run_report(&s, &q(vec![Dimension::InputBucket])).expect("report");
+        let got: Vec<&str> = rows.iter().map(|r| r.group[0].1.as_str()).collect();
+        // Byte order would put "2048+" before "512-2048".
+        assert_eq!(got, ["0-128", "512-2048", "2048+", NONE_LABEL]);
+    }
+
+    #[test]
+    fn invalid_queries() {
+        let s = fixture();
+        let mut query = q(vec![Dimension::Model, Dimension::Model]);
+        assert!(run_report(&s, &query).is_err());
+        query = q(vec![]);
+        query.until_us = Some(T0);
+        assert!(run_report(&s, &query).is_err());
+        query = q(vec![]);
+        query.interval = Some(Duration::from_nanos(10));
+        assert!(run_report(&s, &query).is_err());
+    }
+
+    #[test]
+    fn dimension_and_format_parsing() {
+        for d in Dimension::ALL {
+            assert_eq!(d.as_str().parse::<Dimension>().expect("parse"), d);
+        }
+        assert_eq!(
+            "user_id".parse::<Dimension>().expect("alias"),
+            Dimension::User
+        );
+        assert_eq!(
+            "Business-Line".parse::<Dimension>().expect("alias"),
+            Dimension::BusinessLine
+        );
+        assert_eq!(
+            "outcome".parse::<Dimension>().expect("alias"),
+            Dimension::Status
+        );
+        assert!("colour".parse::<Dimension>().is_err());
+        assert_eq!("JSON".parse::<Format>().expect("fmt"), Format::Json);
+        assert!("xml".parse::<Format>().is_err());
+    }
+
+    #[test]
+    fn render_formats() {
+        let s = fixture();
+        let mut query = q(vec![Dimension::Model]);
+        query.interval = Some(Duration::from_secs(86_400));
+        let rows = run_report(&s, &query).expect("report");
+
+        let json = render(&rows, &query, Format::Json);
+        let v: serde_json::Value = serde_json::from_str(&json).expect("valid json");
+        let arr = v.as_array().expect("array");
+        assert_eq!(arr.len(), rows.len());
+        assert_eq!(arr[0]["model"], "a");
+        assert_eq!(arr[0]["bucket_start"], "2024-01-01T00:00:00Z");
+        assert_eq!(arr[0]["bucket_start_us"], T0);
+        assert_eq!(arr[0]["count"], 3);
+        assert_eq!(arr[0]["ttft_p50_ms"], 100.0);
+        assert!(arr[1]["ttft_p50_ms"].is_number());
+        // model b on day 1 has no TTFT at all → null.
+        let b1 = arr
+            .iter()
+            .find(|o| o["model"] == "b" && o["bucket_start_us"] == T0 + DAY)
+            .expect("b day 1");
+        assert!(b1["ttft_p50_ms"].is_null());
+        assert_eq!(b1["ttft_n"], 0);
+
+        let csv = render(&rows, &query, Format::Csv);
+        let mut lines = csv.lines();
+        let header: Vec<&str> = lines.next().expect("header").split(',').collect();
+        assert_eq!(header, flat_header(&query));
+        assert_eq!(
+            header[..4],
+            ["bucket_start_us", "bucket_start", "model", "count"]
+        );
+        assert!(header.contains(&"e2e_p99_ms"));
+        let data: Vec<&str> = lines.collect();
+        assert_eq!(data.len(), rows.len());
+        assert!(data.iter().all(|l| l.split(',').count() == header.len()));
+        // JSON keys in the same order as the CSV header.
+        let first = arr[0].as_object().expect("object");
+        assert_eq!(first.len(), header.len());
+
+        let table = render(&rows, &query, Format::Table);
+        assert!(table.contains("ttft p95"));
+        assert!(table.contains("2024-01-02T00:00:00Z"));
+
+        let empty = render(&[], &query, Format::Csv);
+        assert_eq!(empty.lines().count(), 1);
+        assert_eq!(render(&[], &query, Format::Json).trim(), "[]");
+    }
+
+    #[test]
+    fn csv_escaping() {
+        assert_eq!(csv_escape("plain"), "plain");
+        assert_eq!(csv_escape("a,b"), "\"a,b\"");
+        assert_eq!(csv_escape("say \"hi\""), "\"say \"\"hi\"\"\"");
+    }
+
+    #[test]
+    fn utc_formatting() {
+        assert_eq!(format_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(format_utc(T0), "2024-01-01T00:00:00Z");
+        assert_eq!(format_utc(T0 + 59 * DAY + 1), "2024-02-29T00:00:00.000001Z");
+        assert_eq!(format_utc(-1_000_000), "1969-12-31T23:59:59Z");
+    }
+
+    #[test]
+    fn nearest_rank_definition() {
+        assert_eq!(nearest_rank(4, 0.5), 2);
+        assert_eq!(nearest_rank(100, 0.99), 99);
+        assert_eq!(nearest_rank(101, 0.99), 100);
+        assert_eq!(nearest_rank(1, 0.99), 1);
+        assert_eq!(nearest_rank(10, 0.9), 9);
+        assert_eq!(nearest_rank(20, 0.95), 19);
+        assert_eq!(nearest_rank(3, 0.0), 1);
+        let mut v = [4.0, 1.0, 3.0, 2.0];
+        let qs = Quantiles::from_values(&mut v);
+        assert_eq!(
+            (qs.p50, qs.p90, qs.p99, qs.mean),
+            (Some(2.0), Some(4.0), Some(4.0), Some(2.5))
+        );
+        assert_eq!(Quantiles::from_values(&mut []), Quantiles::default());
+    }
+
+    fn naive(values: &[f64], q_pct: u64) -> f64 {
+        let mut s = values.to_vec();
+        s.sort_by(f64::total_cmp);
+        let n = s.len() as u64;
+        // k = ceil(q_pct * n / 100) in integers.
+        let k = (q_pct * n).div_ceil(100).max(1);
+        s[(k - 1) as usize]
+    }
+
+    proptest! {
+        #[test]
+        fn quantiles_match_naive_sort(
+            values in prop::collection::vec(-1.0e6f64..1.0e6, 1..400),
+            dup in 0usize..4,
+        ) {
+            // Add duplicates to exercise ties.
+            let mut values = values;
+            let extra: Vec<f64> = values.iter().take(dup * 10).copied().collect();
+            values.extend(extra);
+            let mut work = values.clone();
+            let qs = Quantiles::from_values(&mut work);
+            prop_assert_eq!(qs.n, values.len() as u64);
+            prop_assert_eq!(qs.p50, Some(naive(&values, 50)));
+            prop_assert_eq!(qs.p90, Some(naive(&values, 90)));
+            prop_assert_eq!(qs.p95, Some(naive(&values, 95)));
+            prop_assert_eq!(qs.p99, Some(naive(&values, 99)));
+            let mean = values.iter().sum::<f64>() / values.len() as f64;
+            prop_assert!((qs.mean.unwrap_or(f64::NAN) - mean).abs() <= 1e-6 * mean.abs().max(1.0));
+        }
+
+        #[test]
+        fn report_percentiles_match_naive_per_group(
+            rows in prop::collection::vec((0u8..3, prop::option::of(0.0f64..5000.0)), 1..200),
+        ) {
+            let mut s = SqliteStore::open_in_memory().expect("open");
+            let recs: Vec<RequestRecord> = rows
+                .iter()
+                .enumerate()
+                .map(|(i, (m, t))| {
+                    mk(&i.to_string(), T0 + i as i64, &format!("m{m}"), None, Outcome::Ok, *t, 1.0, None)
+                })
+                .collect();
+            s.insert_batch(&recs).expect("insert");
+            let out = run_report(&s, &q(vec![Dimension::Model])).expect("report");
+            for r in &out {
+                let name = &r.group[0].1;
+                let vals: Vec<f64> = recs
+                    .iter()
+                    .filter(|x| &x.model == name)
+                    .filter_map(|x| x.ttft_ms)
+                    .collect();
+                prop_assert_eq!(r.ttft.n, vals.len() as u64);
+                if vals.is_empty() {
+                    prop_assert_eq!(r.ttft.p50, None);
+                } else {
+                    prop_assert_eq!(r.ttft.p50, Some(naive(&vals, 50)));
+                    prop_assert_eq!(r.ttft.p99, Some(naive(&vals, 99)));
+                }
+            }
+            let total: u64 = out.iter().map(|r| r.count).sum();
+            prop_assert_eq!(total, recs.len() as u64);
+        }
+    }
+}

@@ -1,0 +1,863 @@
+//! [`SqliteStore`]: the embedded per-request store.
+//!
+//! One table, `llm_inference_log`, with one column per [`RequestRecord`] field under the
+//! same name. Units follow the record: `created_at` is Unix epoch **microseconds**
+//! (`INTEGER`), every `*_ms` column is milliseconds as `REAL`, token counts are `INTEGER`,
+//! enums are stored as their `as_str()` text (`outcome = 'ok'`, `input_bucket = '0-128'`,
+//! `endpoint = 'chat_completions'`…), `stream` is `0`/`1`. Optional fields are `NULL` when
+//! unknown — a `NULL` `ttft_ms` means "not measured", never zero.
+//!
+//! Invariants:
+//! * The schema is versioned with `PRAGMA user_version`; [`SqliteStore::open`] applies the
+//!   pending entries of an ordered migration list in one `IMMEDIATE` transaction, so opening
+//!   is idempotent and two processes opening the same file concurrently cannot both migrate.
+//!   A file with a newer version than this build knows is refused
+//!   ([`StoreError::SchemaTooNew`]).
+//! * The database runs in WAL mode with `synchronous=NORMAL` and a busy timeout, so one
+//!   writer (the gateway's pipeline thread) and any number of readers (reports, opened with
+//!   [`SqliteStore::open_read_only`]) coexist without blocking each other.
+//! * Rows are keyed by `request_id` and inserted with `INSERT OR IGNORE`: re-inserting a
+//!   batch (a retry after an ambiguous failure) never doubles a row.
+//! * [`SqliteStore::insert_batch`] writes a whole batch in one transaction with one cached
+//!   prepared statement: a batch is all-or-nothing.
+//!
+//! Indexes: `created_at`; `(model, created_at)`; `(user_id, created_at)`;
+//! `(tenant, created_at)`; `(business_line, created_at)`; `prompt_hash`.
+//!
+//! ## Two questions, one SQL statement each
+//!
+//! "This user's tokens per day over the last 7 days" (bind `:user_id` and `:now_us`, the end
+//! of the window in epoch microseconds; served by the `(user_id, created_at)` index) —
+//! [`SQL_USER_TOKENS_PER_DAY`]:
+//!
+#![doc = concat!("```sql\n", include_str!("sql/user_tokens_per_day.sql"), "```")]
+//!
+//! "Mean TTFT per input-length bucket for model X" (bind `:model` and `:since_us`; served by
+//! the `(model, created_at)` index; non-streamed requests have a `NULL` TTFT and are left
+//! out) — [`SQL_MEAN_TTFT_BY_BUCKET`]:
+//!
+#![doc = concat!("```sql\n", include_str!("sql/mean_ttft_by_bucket.sql"), "```")]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rusqlite::types::Type;
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension, Row, TransactionBehavior};
+use tokenscope_core::{Endpoint, InputBucket, Outcome, PhaseSource, RequestRecord, TokenSource};
+
+use crate::StoreError;
+
+/// Name of the per-request table.
+pub const TABLE: &str = "llm_inference_log";
+
+/// "This user's tokens per day over 7 days", one statement. Parameters: `:user_id`,
+/// `:now_us` (window end, epoch µs). Columns: `day` (`YYYY-MM-DD`, UTC), `requests`,
+/// `input_tokens`, `output_tokens`, `total_tokens`.
+pub const SQL_USER_TOKENS_PER_DAY: &str = include_str!("sql/user_tokens_per_day.sql");
+
+/// "Mean TTFT per input bucket for model X", one statement. Parameters: `:model`,
+/// `:since_us` (epoch µs). Columns: `input_bucket`, `n`, `mean_ttft_ms`; buckets shortest
+/// first.
+pub const SQL_MEAN_TTFT_BY_BUCKET: &str = include_str!("sql/mean_ttft_by_bucket.sql");
+
+/// Every column of [`TABLE`], in the order [`record_from_row`] expects them.
+pub const COLUMNS: [&str; 43] = [
+    "request_id",
+    "trace_id",
+    "created_at",
+    "model",
+    "model_served",
+    "upstream",
+    "user_id",
+    "tenant",
+    "business_line",
+    "request_type",
+    "api_key_id",
+    "endpoint",
+    "stream",
+    "http_status",
+    "outcome",
+    "error_type",
+    "finish_reason",
+    "max_tokens",
+    "input_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "reasoning_tokens",
+    "input_tokens_source",
+    "output_tokens_source",
+    "input_bucket",
+    "queue_duration_ms",
+    "prefill_duration_ms",
+    "decode_duration_ms",
+    "queue_source",
+    "prefill_source",
+    "decode_source",
+    "ttft_ms",
+    "tpot_ms",
+    "itl_max_ms",
+    "itl_mean_ms",
+    "total_duration_ms",
+    "upstream_headers_ms",
+    "gateway_overhead_ms",
+    "chunks",
+    "prompt_hash",
+    "prompt_text",
+    "draft_tokens",
+    "draft_accepted_tokens",
+];
+
+/// Ordered schema migrations: entry `i` takes the schema from version `i` to `i + 1`.
+/// Append only; never edit a released entry.
+const MIGRATIONS: &[&str] = &[
+    // v1: the table and its indexes.
+    "CREATE TABLE llm_inference_log (
+        request_id            TEXT PRIMARY KEY NOT NULL,
+        trace_id              TEXT NOT NULL,
+        created_at            INTEGER NOT NULL,
+        model                 TEXT NOT NULL,
+        model_served          TEXT,
+        upstream              TEXT NOT NULL,
+        user_id               TEXT,
+        tenant                TEXT,
+        business_line         TEXT,
+        request_type          TEXT NOT NULL,
+        api_key_id            TEXT,
+        endpoint              TEXT NOT NULL,
+        stream                INTEGER NOT NULL,
+        http_status           INTEGER NOT NULL,
+        outcome               TEXT NOT NULL,
+        error_type            TEXT,
+        finish_reason         TEXT,
+        max_tokens            INTEGER,
+        input_tokens          INTEGER,
+        output_tokens         INTEGER,
+        cached_tokens         INTEGER,
+        reasoning_tokens      INTEGER,
+        input_tokens_source   TEXT NOT NULL,
+        output_tokens_source  TEXT NOT NULL,
+        input_bucket          TEXT,
+        queue_duration_ms     REAL,
+        prefill_duration_ms   REAL,
+        decode_duration_ms    REAL,
+        queue_source          TEXT NOT NULL,
+        prefill_source        TEXT NOT NULL,
+        decode_source         TEXT NOT NULL,
+        ttft_ms               REAL,
+        tpot_ms               REAL,
+        itl_max_ms            REAL,
+        itl_mean_ms           REAL,
+        total_duration_ms     REAL NOT NULL,
+        upstream_headers_ms   REAL,
+        gateway_overhead_ms   REAL,
+        chunks                INTEGER,
+        prompt_hash           TEXT,
+        prompt_text           TEXT,
+        draft_tokens          INTEGER,
+        draft_accepted_tokens INTEGER
+    );
+    CREATE INDEX idx_log_created_at ON llm_inference_log (created_at);
+    CREATE INDEX idx_log_model_time ON llm_inference_log (model, created_at);
+    CREATE INDEX idx_log_user_time ON llm_inference_log (user_id, created_at);
+    CREATE INDEX idx_log_tenant_time ON llm_inference_log (tenant, created_at);
+    CREATE INDEX idx_log_business_line_time ON llm_inference_log (business_line, created_at);
+    CREATE INDEX idx_log_prompt_hash ON llm_inference_log (prompt_hash);",
+];
+
+/// The schema version this build writes and understands.
+pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
+
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The SQLite store. Owns one connection; not `Sync` — the writer lives on the pipeline's
+/// thread, each report opens its own read-only store.
+#[derive(Debug)]
+pub struct SqliteStore {
+    conn: Connection,
+    path: PathBuf,
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database at `path` for writing: creates the parent
+    /// directory, switches to WAL, `synchronous=NORMAL`, sets a busy timeout and applies
+    /// pending migrations.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        let path = path.as_ref();
+        if let Some(parent) = path.parent() {
+            if !parent.as_os_str().is_empty() {
+                std::fs::create_dir_all(parent)?;
+            }
+        }
+        let conn = Connection::open(path)?;
+        Self::configure_writer(conn, path.to_path_buf())
+    }
+
+    /// An in-memory database with the full schema (tests, dry runs).
+    pub fn open_in_memory() -> Result<Self, StoreError> {
+        let conn = Connection::open_in_memory()?;
+        Self::configure_writer(conn, PathBuf::from(":memory:"))
+    }
+
+    fn configure_writer(mut conn: Connection, path: PathBuf) -> Result<Self, StoreError> {
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        // Returns the resulting mode ("wal", or "memory" for in-memory databases).
+        let _mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        // 32 MiB page cache: keeps the hot parts of the secondary indexes resident.
+        conn.pragma_update(None, "cache_size", -32_768)?;
+        conn.set_prepared_statement_cache_capacity(32);
+        migrate(&mut conn)?;
+        Ok(Self { conn, path })
+    }
+
+    /// Opens an existing database read-only (reports). Never creates or migrates anything;
+    /// refuses a file without the tokenscope schema or with a newer one.
+    pub fn open_read_only(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        let path = path.as_ref();
+        let conn = Connection::open_with_flags(
+            path,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        conn.pragma_update(None, "cache_size", -65_536)?;
+        // Map the file instead of copying pages through the page cache (big scans).
+        conn.pragma_update(None, "mmap_size", 1_i64 << 32)?;
+        let version = user_version(&conn)?;
+        if version == 0 {
+            return Err(StoreError::NoSchema(path.to_path_buf()));
+        }
+        if version > SCHEMA_VERSION {
+            return Err(StoreError::SchemaTooNew {
+                found: version,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        conn.set_prepared_statement_cache_capacity(32);
+        Ok(Self {
+            conn,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The path this store was opened with (`:memory:` for in-memory stores).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The underlying connection, for ad-hoc queries (e.g. the documented SQL statements).
+    pub fn conn(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// `PRAGMA user_version` of the open file.
+    pub fn schema_version(&self) -> Result<u32, StoreError> {
+        user_version(&self.conn)
+    }
+
+    /// Inserts `records` in one transaction with a cached prepared statement
+    /// (`INSERT OR IGNORE`, keyed by `request_id`). Returns how many rows were new; rows whose
+    /// `request_id` already exists are skipped. All-or-nothing.
+    pub fn insert_batch(&mut self, records: &[RequestRecord]) -> Result<usize, StoreError> {
+        if records.is_empty() {
+            return Ok(0);
+        }
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let mut inserted = 0;
+        {
+            let mut stmt = tx.prepare_cached(&insert_sql())?;
+            for r in records {
+                inserted += stmt.execute(params![
+                    r.request_id,
+                    r.trace_id,
+                    r.created_at,
+                    r.model,
+                    r.model_served,
+                    r.upstream,
+                    r.user_id,
+                    r.tenant,
+                    r.business_line,
+                    r.request_type,
+                    r.api_key_id,
+                    r.endpoint.as_str(),
+                    r.stream,
+                    r.http_status,
+                    r.outcome.as_str(),
+                    r.error_type,
+                    r.finish_reason,
+                    opt_i64(r.max_tokens),
+                    opt_i64(r.input_tokens),
+                    opt_i64(r.output_tokens),
+                    opt_i64(r.cached_tokens),
+                    opt_i64(r.reasoning_tokens),
+                    r.input_tokens_source.as_str(),
+                    r.output_tokens_source.as_str(),
+                    r.input_bucket.map(InputBucket::as_str),
+                    r.queue_duration_ms,
+                    r.prefill_duration_ms,
+                    r.decode_duration_ms,
+                    r.queue_source.as_str(),
+                    r.prefill_source.as_str(),
+                    r.decode_source.as_str(),
+                    r.ttft_ms,
+                    r.tpot_ms,
+                    r.itl_max_ms,
+                    r.itl_mean_ms,
+                    r.total_duration_ms,
+                    r.upstream_headers_ms,
+                    r.gateway_overhead_ms,
+                    opt_i64(r.chunks),
+                    r.prompt_hash,
+                    r.prompt_text,
+                    opt_i64(r.draft_tokens),
+                    opt_i64(r.draft_accepted_tokens),
+                ])?;
+            }
+        }
+        tx.commit()?;
+        Ok(inserted)
+    }
+
+    /// Inserts one record; `Ok(false)` when its `request_id` was already stored.
+    pub fn insert(&mut self, record: &RequestRecord) -> Result<bool, StoreError> {
+        Ok(self.insert_batch(std::slice::from_ref(record))? == 1)
+    }
+
+    /// The record stored under `request_id`, if any.
+    pub fn get(&self, request_id: &str) -> Result<Option<RequestRecord>, StoreError> {
+        let sql = format!(
+            "SELECT {} FROM {TABLE} WHERE request_id = ?1",
+            COLUMNS.join(", ")
+        );
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        Ok(stmt.query_row([request_id], record_from_row).optional()?)
+    }
+
+    /// Number of stored rows.
+    pub fn count(&self) -> Result<u64, StoreError> {
+        let n: i64 = self
+            .conn
+            .prepare_cached(&format!("SELECT COUNT(*) FROM {TABLE}"))?
+            .query_row([], |r| r.get(0))?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    /// The most recent records (by `created_at`, newest first), at most `limit`.
+    pub fn recent(&self, limit: usize) -> Result<Vec<RequestRecord>, StoreError> {
+        let sql = format!(
+            "SELECT {} FROM {TABLE} ORDER BY created_at DESC LIMIT ?1",
+            COLUMNS.join(", ")
+        );
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = stmt.query_map([limit], record_from_row)?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    }
+
+    /// Retention: deletes rows created before `cutoff_us` (epoch µs); returns how many.
+    pub fn delete_before(&mut self, cutoff_us: i64) -> Result<usize, StoreError> {
+        Ok(self.conn.execute(
+            &format!("DELETE FROM {TABLE} WHERE created_at < ?1"),
+            [cutoff_us],
+        )?)
+    }
+}
+
+fn insert_sql() -> String {
+    let placeholders: Vec<String> = (1..=COLUMNS.len()).map(|i| format!("?{i}")).collect();
+    format!(
+        "INSERT OR IGNORE INTO {TABLE} ({}) VALUES ({})",
+        COLUMNS.join(", "),
+        placeholders.join(", ")
+    )
+}
+
+fn user_version(conn: &Connection) -> Result<u32, StoreError> {
+    let v: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    Ok(u32::try_from(v).unwrap_or(u32::MAX))
+}
+
+fn migrate(conn: &mut Connection) -> Result<u32, StoreError> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let found = user_version(&tx)?;
+    if found > SCHEMA_VERSION {
+        return Err(StoreError::SchemaTooNew {
+            found,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(found as usize) {
+        tx.execute_batch(sql)?;
+        tx.pragma_update(None, "user_version", (i + 1) as i64)?;
+        tracing::info!(
+            version = i + 1,
+            "tokenscope store: applied schema migration"
+        );
+    }
+    tx.commit()?;
+    Ok(SCHEMA_VERSION)
+}
+
+/// Token counts never approach `i64::MAX`; saturate rather than fail the batch.
+fn opt_i64(v: Option<u64>) -> Option<i64> {
+    v.map(|v| i64::try_from(v).unwrap_or(i64::MAX))
+}
+
+fn decode_err(idx: usize, column: &'static str, value: &str) -> rusqlite::Error {
+    rusqlite::Error::FromSqlConversionFailure(
+        idx,
+        Type::Text,
+        Box::new(StoreError::Decode {
+            column,
+            value: value.to_owned(),
+        }),
+    )
+}
+
+fn get_u64(row: &Row<'_>, idx: usize) -> rusqlite::Result<Option<u64>> {
+    match row.get::<_, Option<i64>>(idx)? {
+        None => Ok(None),
+        Some(v) => u64::try_from(v)
+            .map(Some)
+            .map_err(|_| decode_err(idx, COLUMNS[idx], &v.to_string())),
+    }
+}
+
+fn get_enum<T>(
+    row: &Row<'_>,
+    idx: usize,
+    parse: impl Fn(&str) -> Option<T>,
+) -> rusqlite::Result<T> {
+    let s: String = row.get(idx)?;
+    parse(&s).ok_or_else(|| decode_err(idx, COLUMNS[idx], &s))
+}
+
+/// Parses [`Endpoint::as_str`] back.
+pub fn parse_endpoint(s: &str) -> Option<Endpoint> {
+    [
+        Endpoint::ChatCompletions,
+        Endpoint::Completions,
+        Endpoint::Embeddings,
+    ]
+    .into_iter()
+    .find(|e| e.as_str() == s)
+}
+
+/// Parses [`PhaseSource::as_str`] back.
+pub fn parse_phase_source(s: &str) -> Option<PhaseSource> {
+    [PhaseSource::Engine, PhaseSource::Derived, PhaseSource::None]
+        .into_iter()
+        .find(|p| p.as_str() == s)
+}
+
+/// Parses [`InputBucket::as_str`] back.
+pub fn parse_input_bucket(s: &str) -> Option<InputBucket> {
+    InputBucket::ALL.into_iter().find(|b| b.as_str() == s)
+}
+
+/// Maps a row selected as `SELECT <COLUMNS…>` (in [`COLUMNS`] order) back to a record.
+pub fn record_from_row(row: &Row<'_>) -> rusqlite::Result<RequestRecord> {
+    let input_bucket = match row.get::<_, Option<String>>(24)? {
+        None => None,
+        Some(s) => Some(parse_input_bucket(&s).ok_or_else(|| decode_err(24, COLUMNS[24], &s))?),
+    };
+    Ok(RequestRecord {
+        request_id: row.get(0)?,
+        trace_id: row.get(1)?,
+        created_at: row.get(2)?,
+        model: row.get(3)?,
+        model_served: row.get(4)?,
+        upstream: row.get(5)?,
+        user_id: row.get(6)?,
+        tenant: row.get(7)?,
+        business_line: row.get(8)?,
+        request_type: row.get(9)?,
+        api_key_id: row.get(10)?,
+        endpoint: get_enum(row, 11, parse_endpoint)?,
+        stream: row.get(12)?,
+        http_status: row.get(13)?,
+        outcome: get_enum(row, 14, Outcome::parse)?,
+        error_type: row.get(15)?,
+        finish_reason: row.get(16)?,
+        max_tokens: get_u64(row, 17)?,
+        input_tokens: get_u64(row, 18)?,
+        output_tokens: get_u64(row, 19)?,
+        cached_tokens: get_u64(row, 20)?,
+        reasoning_tokens: get_u64(row, 21)?,
+        input_tokens_source: get_enum(row, 22, TokenSource::parse)?,
+        output_tokens_source: get_enum(row, 23, TokenSource::parse)?,
+        input_bucket,
+        queue_duration_ms: row.get(25)?,
+        prefill_duration_ms: row.get(26)?,
+        decode_duration_ms: row.get(27)?,
+        queue_source: get_enum(row, 28, parse_phase_source)?,
+        prefill_source: get_enum(row, 29, parse_phase_source)?,
+        decode_source: get_enum(row, 30, parse_phase_source)?,
+        ttft_ms: row.get(31)?,
+        tpot_ms: row.get(32)?,
+        itl_max_ms: row.get(33)?,
+        itl_mean_ms: row.get(34)?,
+        total_duration_ms: row.get(35)?,
+        upstream_headers_ms: row.get(36)?,
+        gateway_overhead_ms: row.get(37)?,
+        chunks: get_u64(row, 38)?,
+        prompt_hash: row.get(39)?,
+        prompt_text: row.get(40)?,
+        draft_tokens: get_u64(row, 41)?,
+        draft_accepted_tokens: get_u64(row, 42)?,
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Every field set, every enum away from its default.
+    pub(crate) fn full_record(id: &str) -> RequestRecord {
+        RequestRecord {
+            request_id: id.to_owned(),
+            trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".to_owned(),
+            created_at: 1_700_000_000_123_456,
+            model: "llama-3.1-8b".to_owned(),
+            model_served: Some("meta-llama/Llama-3.1-8B-Instruct".to_owned()),
+            upstream: "vllm-a".to_owned(),
+            user_id: Some("alice".to_owned()),
+            tenant: Some("acme".to_owned()),
+            business_line: Some("search".to_owned()),
+            request_type: "chat".to_owned(),
+            api_key_id: Some("k_9f8e7d6c".to_owned()),
+            endpoint: Endpoint::Completions,
+            stream: true,
+            http_status: 502,
+            outcome: Outcome::UpstreamError,
+            error_type: Some("upstream_5xx".to_owned()),
+            finish_reason: Some("length".to_owned()),
+            max_tokens: Some(512),
+            input_tokens: Some(1234),
+            output_tokens: Some(77),
+            cached_tokens: Some(1024),
+            reasoning_tokens: Some(12),
+            input_tokens_source: TokenSource::Usage,
+            output_tokens_source: TokenSource::Chunks,
+            input_bucket: Some(InputBucket::B512To2048),
+            queue_duration_ms: Some(12.5),
+            prefill_duration_ms: Some(80.25),
+            decode_duration_ms: Some(900.125),
+            queue_source: PhaseSource::Engine,
+            prefill_source: PhaseSource::Derived,
+            decode_source: PhaseSource::Engine,
+            ttft_ms: Some(95.001),
+            tpot_ms: Some(11.75),
+            itl_max_ms: Some(40.5),
+            itl_mean_ms: Some(11.8),
+            total_duration_ms: 1000.5,
+            upstream_headers_ms: Some(3.25),
+            gateway_overhead_ms: Some(0.125),
+            chunks: Some(76),
+            prompt_hash: Some("0123456789abcdef0123456789abcdef".to_owned()),
+            prompt_text: Some("hello, \"world\" — ünïcode".to_owned()),
+            draft_tokens: Some(40),
+            draft_accepted_tokens: Some(31),
+        }
+    }
+
+    /// Only the mandatory fields.
+    pub(crate) fn sparse_record(id: &str) -> RequestRecord {
+        RequestRecord {
+            request_id: id.to_owned(),
+            trace_id: "00000000000000000000000000000001".to_owned(),
+            created_at: 1_700_000_000_000_000,
+            model: "m".to_owned(),
+            upstream: "u".to_owned(),
+            request_type: "chat".to_owned(),
+            total_duration_ms: 1.0,
+            ..RequestRecord::default()
+        }
+    }
+
+    #[test]
+    fn columns_match_schema() {
+        let store = SqliteStore::open_in_memory().expect("open");
+        let stmt = store
+            .conn()
+            .prepare(&format!("SELECT * FROM {TABLE}"))
+            .expect("prepare");
+        let names: Vec<String> = stmt.column_names().map(str::to_owned).collect();
+        assert_eq!(names, COLUMNS.map(str::to_owned).to_vec());
+        drop(stmt);
+        assert_eq!(store.schema_version().expect("version"), SCHEMA_VERSION);
+    }
+
+    #[test]
+    fn round_trip_full_and_sparse() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        let full = full_record("req-full");
+        let sparse = sparse_record("req-sparse");
+        assert_eq!(
+            store
+                .insert_batch(&[full.clone(), sparse.clone()])
+                .expect("insert"),
+            2
+        );
+        assert_eq!(store.get("req-full").expect("get"), Some(full));
+        assert_eq!(store.get("req-sparse").expect("get"), Some(sparse));
+        assert_eq!(store.get("nope").expect("get"), None);
+        assert_eq!(store.count().expect("count"), 2);
+    }
+
+    #[test]
+    fn nulls_are_nulls() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        store.insert(&sparse_record("s")).expect("insert");
+        let (ttft, bucket, stream): (Option<f64>, Option<String>, i64) = store
+            .conn()
+            .query_row(
+                "SELECT ttft_ms, input_bucket, stream FROM llm_inference_log",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .expect("row");
+        assert_eq!((ttft, bucket, stream), (None, None, 0));
+        store.insert(&full_record("f")).expect("insert");
+        let (bucket, outcome): (String, String) = store
+            .conn()
+            .query_row(
+                "SELECT input_bucket, outcome FROM llm_inference_log WHERE request_id = 'f'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .expect("row");
+        assert_eq!(
+            (bucket.as_str(), outcome.as_str()),
+            ("512-2048", "upstream_error")
+        );
+    }
+
+    #[test]
+    fn insert_or_ignore_dedups() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        let a = full_record("a");
+        let b = sparse_record("b");
+        assert_eq!(store.insert_batch(&[a.clone(), b.clone()]).expect("1st"), 2);
+        // A retried batch: nothing new, nothing doubled, the first version wins.
+        let mut a2 = a.clone();
+        a2.model = "changed".to_owned();
+        assert_eq!(store.insert_batch(&[a2, b]).expect("retry"), 0);
+        assert_eq!(store.count().expect("count"), 2);
+        assert_eq!(store.get("a").expect("get"), Some(a));
+        assert!(!store.insert(&full_record("a")).expect("single"));
+        assert!(store.insert(&full_record("c")).expect("single"));
+        assert_eq!(store.count().expect("count"), 3);
+        assert_eq!(store.insert_batch(&[]).expect("empty"), 0);
+    }
+
+    #[test]
+    fn migrations_idempotent_on_reopen_and_read_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("nested/dir/ts.db");
+        {
+            let mut store = SqliteStore::open(&path).expect("open 1");
+            assert_eq!(store.schema_version().expect("v"), SCHEMA_VERSION);
+            store.insert(&full_record("x")).expect("insert");
+            let mode: String = store
+                .conn()
+                .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+                .expect("mode");
+            assert_eq!(mode, "wal");
+        }
+        {
+            let store = SqliteStore::open(&path).expect("open 2");
+            assert_eq!(store.schema_version().expect("v"), SCHEMA_VERSION);
+            assert_eq!(store.count().expect("count"), 1);
+        }
+        // A reader and the writer at the same time.
+        let mut writer = SqliteStore::open(&path).expect("writer");
+        let reader = SqliteStore::open_read_only(&path).expect("reader");
+        writer.insert(&full_record("y")).expect("insert");
+        assert_eq!(reader.count().expect("count"), 2);
+        assert_eq!(reader.get("x").expect("get"), Some(full_record("x")));
+        assert!(reader
+            .conn()
+            .execute("DELETE FROM llm_inference_log", [])
+            .is_err());
+    }
+
+    #[test]
+    fn refuses_newer_schema_and_missing_schema() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("ts.db");
+        drop(SqliteStore::open(&path).expect("open"));
+        {
+            let conn = Connection::open(&path).expect("raw");
+            conn.pragma_update(None, "user_version", 99).expect("bump");
+        }
+        assert!(matches!(
+            SqliteStore::open(&path),
+            Err(StoreError::SchemaTooNew { found: 99, .. })
+        ));
+        assert!(matches!(
+            SqliteStore::open_read_only(&path),
+            Err(StoreError::SchemaTooNew { found: 99, .. })
+        ));
+        let empty = dir.path().join("empty.db");
+        drop(Connection::open(&empty).expect("raw"));
+        assert!(matches!(
+            SqliteStore::open_read_only(&empty),
+            Err(StoreError::NoSchema(_))
+        ));
+        assert!(SqliteStore::open_read_only(dir.path().join("missing.db")).is_err());
+    }
+
+    #[test]
+    fn recent_and_retention() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        let recs: Vec<RequestRecord> = (0..5)
+            .map(|i| {
+                let mut r = sparse_record(&format!("r{i}"));
+                r.created_at = 1_000 * i;
+                r
+            })
+            .collect();
+        store.insert_batch(&recs).expect("insert");
+        let recent = store.recent(2).expect("recent");
+        assert_eq!(
+            recent
+                .iter()
+                .map(|r| r.request_id.as_str())
+                .collect::<Vec<_>>(),
+            ["r4", "r3"]
+        );
+        assert_eq!(store.delete_before(2_000).expect("delete"), 2);
+        assert_eq!(store.count().expect("count"), 3);
+    }
+
+    #[test]
+    fn decode_rejects_unknown_enum_text() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        store.insert(&sparse_record("z")).expect("insert");
+        store
+            .conn()
+            .execute("UPDATE llm_inference_log SET outcome = 'weird'", [])
+            .expect("update");
+        assert!(store.get("z").is_err());
+    }
+
+    const DAY_US: i64 = 86_400_000_000;
+
+    #[test]
+    fn documented_sql_user_tokens_per_day() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        // now = 2024-01-08T00:00:00Z; the window is 2024-01-01 .. 2024-01-07 inclusive.
+        let now_us: i64 = 1_704_672_000 * 1_000_000;
+        let mut recs = Vec::new();
+        let mut push = |id: &str, at: i64, user: &str, inp: Option<u64>, out: Option<u64>| {
+            let mut r = sparse_record(id);
+            r.created_at = at;
+            r.user_id = Some(user.to_owned());
+            r.input_tokens = inp;
+            r.output_tokens = out;
+            recs.push(r);
+        };
+        push("a", now_us - DAY_US + 5, "alice", Some(10), Some(1)); // 2024-01-07
+        push("b", now_us - DAY_US + 7, "alice", Some(20), Some(2)); // 2024-01-07
+        push("c", now_us - 7 * DAY_US, "alice", Some(100), None); // 2024-01-01, first µs
+        push(
+            "d",
+            now_us - 7 * DAY_US - 1,
+            "alice",
+            Some(1000),
+            Some(1000),
+        ); // too old
+        push("e", now_us, "alice", Some(1000), Some(1000)); // end is exclusive
+        push("f", now_us - 3 * DAY_US, "bob", Some(5000), Some(5000)); // other user
+        push("g", now_us - 3 * DAY_US, "alice", None, Some(3)); // 2024-01-05
+        store.insert_batch(&recs).expect("insert");
+
+        let mut stmt = store
+            .conn()
+            .prepare(SQL_USER_TOKENS_PER_DAY)
+            .expect("prepare");
+        let rows: Vec<(String, i64, i64, i64, i64)> = stmt
+            .query_map(
+                rusqlite::named_params! { ":user_id": "alice", ":now_us": now_us },
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+            )
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        assert_eq!(
+            rows,
+            vec![
+                ("2024-01-01".to_owned(), 1, 100, 0, 100),
+                ("2024-01-05".to_owned(), 1, 0, 3, 3),
+                ("2024-01-07".to_owned(), 2, 30, 3, 33),
+            ]
+        );
+        // The plan uses the (user_id, created_at) index.
+        let plan = query_plan(store.conn(), SQL_USER_TOKENS_PER_DAY);
+        assert!(plan.contains("idx_log_user_time"), "{plan}");
+    }
+
+    #[test]
+    fn documented_sql_mean_ttft_by_bucket() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        let mut recs = Vec::new();
+        let mut push = |id: &str, model: &str, at: i64, bucket: InputBucket, ttft: Option<f64>| {
+            let mut r = sparse_record(id);
+            r.model = model.to_owned();
+            r.created_at = at;
+            r.input_bucket = Some(bucket);
+            r.ttft_ms = ttft;
+            recs.push(r);
+        };
+        push("1", "x", 100, InputBucket::B2048Plus, Some(3000.0));
+        push("2", "x", 100, InputBucket::B2048Plus, Some(5000.0));
+        push("3", "x", 100, InputBucket::B0To128, Some(200.0));
+        push("4", "x", 100, InputBucket::B0To128, None); // non-streamed: excluded
+        push("5", "x", 100, InputBucket::B128To512, Some(250.0));
+        push("6", "y", 100, InputBucket::B0To128, Some(9999.0)); // other model
+        push("7", "x", 10, InputBucket::B0To128, Some(9999.0)); // before :since_us
+        store.insert_batch(&recs).expect("insert");
+
+        let mut stmt = store
+            .conn()
+            .prepare(SQL_MEAN_TTFT_BY_BUCKET)
+            .expect("prepare");
+        let rows: Vec<(String, i64, f64)> = stmt
+            .query_map(
+                rusqlite::named_params! { ":model": "x", ":since_us": 50_i64 },
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        assert_eq!(
+            rows,
+            vec![
+                ("0-128".to_owned(), 1, 200.0),
+                ("128-512".to_owned(), 1, 250.0),
+                ("2048+".to_owned(), 2, 4000.0),
+            ]
+        );
+        let plan = query_plan(store.conn(), SQL_MEAN_TTFT_BY_BUCKET);
+        assert!(plan.contains("idx_log_model_time"), "{plan}");
+    }
+
+    fn query_plan(conn: &Connection, sql: &str) -> String {
+        let mut stmt = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+            .expect("explain");
+        let n = stmt.parameter_count();
+        let params: Vec<rusqlite::types::Value> =
+            (0..n).map(|_| rusqlite::types::Value::Integer(0)).collect();
+        let rows: Vec<String> = stmt
+            .query_map(rusqlite::params_from_iter(params), |r| {
+                r.get::<_, String>(3)
+            })
+            .expect("plan")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        rows.join("\n")
+    }
+}

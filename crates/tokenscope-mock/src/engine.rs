@@ -541,7 +541,10 @@ mod tests {
         let (e, stats) = engine(1);
         let mut first = e.submit(job(8, 1000)).expect("engine running");
         let second = e.submit(job(8, 3)).expect("engine running");
-        assert!(matches!(first.recv().await, Some(Event::Token { index: 0 })));
+        assert!(matches!(
+            first.recv().await,
+            Some(Event::Token { index: 0 })
+        ));
         assert_eq!(stats.running.load(Ordering::Relaxed), 1);
         assert_eq!(stats.waiting.load(Ordering::Relaxed), 1);
         drop(first);

@@ -214,11 +214,7 @@ fn parse_gen(kind: Kind, body: &[u8], default_model: &str) -> Result<GenRequest,
     let include_usage = match o.get("stream_options") {
         Some(Value::Object(so)) => opt_bool(so, "include_usage")?,
         None | Some(Value::Null) => false,
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "'stream_options' must be an object",
-            ))
-        }
+        Some(_) => return Err(ApiError::bad_request("'stream_options' must be an object")),
     };
     let max_tokens = match opt_u64(&o, "max_tokens")? {
         Some(m) => Some(m),
@@ -583,7 +579,8 @@ fn stream_response(
                         st.ready.push_back(sse(&st.shape.usage_chunk(&s)));
                     } else {
                         let t = Some(timings_json(&s));
-                        st.ready.push_back(sse(&st.shape.finish_chunk(st.finish, t)));
+                        st.ready
+                            .push_back(sse(&st.shape.finish_chunk(st.finish, t)));
                     }
                     st.ready.push_back(Bytes::from_static(SSE_DONE));
                 }
@@ -871,8 +868,12 @@ mod tests {
         assert_eq!(r.max_tokens, Some(9));
         assert_eq!(r.forced_output, Some(4));
         assert_eq!(r.prompt_tokens, 4 + 2 + 2);
-        let c = parse_gen(Kind::Completion, br#"{"prompt":["ab","cd"],"model":"x"}"#, "d")
-            .expect("valid");
+        let c = parse_gen(
+            Kind::Completion,
+            br#"{"prompt":["ab","cd"],"model":"x"}"#,
+            "d",
+        )
+        .expect("valid");
         assert_eq!((c.prompt_tokens, c.model.as_str()), (2, "x"));
         let c = parse_gen(Kind::Completion, br#"{"prompt":[1,2,3]}"#, "d").expect("valid");
         assert_eq!(c.prompt_tokens, 3);

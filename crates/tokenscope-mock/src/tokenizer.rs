@@ -80,14 +80,22 @@ mod tests {
 
     #[test]
     fn tokenize_matches_count() {
-        for t in ["", "a", "hello world", "The quick brown fox jumps", "ééééé x"] {
+        for t in [
+            "",
+            "a",
+            "hello world",
+            "The quick brown fox jumps",
+            "ééééé x",
+        ] {
             assert_eq!(tokenize(t).len() as u64, count_tokens(t), "{t:?}");
         }
         assert_eq!(tokenize("abcd abcd"), {
             let one = tokenize("abcd");
             [one.clone(), one].concat()
         });
-        assert!(tokenize("some words here").iter().all(|&id| u64::from(id) < VOCAB));
+        assert!(tokenize("some words here")
+            .iter()
+            .all(|&id| u64::from(id) < VOCAB));
     }
 
     #[test]

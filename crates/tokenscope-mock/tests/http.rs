@@ -121,7 +121,10 @@ async fn json_body(r: http::Response<Incoming>) -> Value {
 
 /// The `data:` payloads of an event stream, in order; checks the framing.
 fn events(body: &str) -> Vec<String> {
-    assert!(body.ends_with("\n\n"), "stream ends with a blank line: {body:?}");
+    assert!(
+        body.ends_with("\n\n"),
+        "stream ends with a blank line: {body:?}"
+    );
     body.split_terminator("\n\n")
         .map(|e| {
             e.strip_prefix("data: ")
@@ -198,13 +201,19 @@ async fn chat_stream_with_include_usage() {
     );
     assert!(chunks[0]["choices"][0]["finish_reason"].is_null());
     for (i, ch) in chunks[1..6].iter().enumerate() {
-        assert_eq!(ch["choices"][0]["delta"], json!({"content": format!("tok{i} ")}));
+        assert_eq!(
+            ch["choices"][0]["delta"],
+            json!({"content": format!("tok{i} ")})
+        );
         assert!(ch["choices"][0]["finish_reason"].is_null());
     }
     let fin = &chunks[6];
     assert_eq!(fin["choices"][0]["delta"], json!({}));
     assert_eq!(fin["choices"][0]["finish_reason"], "stop");
-    assert!(fin.get("timings").is_none(), "timings go on the usage chunk");
+    assert!(
+        fin.get("timings").is_none(),
+        "timings go on the usage chunk"
+    );
     assert!(fin.get("usage").is_none());
     let usage_chunk = &chunks[7];
     assert_eq!(usage_chunk["choices"], json!([]));
@@ -266,10 +275,14 @@ async fn completions_stream_and_full() {
     assert_eq!(fin["choices"][0]["text"], "");
     let usage = parse(&ev[3]);
     assert_eq!(usage["choices"], json!([]));
-    assert_eq!(usage["usage"]["prompt_tokens"], count_tokens("once upon a time"));
+    assert_eq!(
+        usage["usage"]["prompt_tokens"],
+        count_tokens("once upon a time")
+    );
     assert_eq!(usage["usage"]["completion_tokens"], 2);
 
-    let body = json!({"model": "test-model", "prompt": "once upon a time", "mock_output_tokens": 3});
+    let body =
+        json!({"model": "test-model", "prompt": "once upon a time", "mock_output_tokens": 3});
     let v = json_body(post(&c, &url, &body, &[]).await).await;
     assert_chunk_header(&v, "text_completion");
     assert_eq!(v["choices"][0]["text"], "tok0 tok1 tok2 ");
@@ -329,7 +342,9 @@ async fn validation_errors() {
         assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{path}");
         let v = json_body(r).await;
         assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
     }
     let r = post(
         &c,
@@ -355,7 +370,13 @@ async fn other_endpoints() {
     assert_eq!(v["data"][0]["id"], "mock-llm");
 
     let content = "The quick brown fox jumps over";
-    let r = post(&c, &srv.url("/tokenize"), &json!({ "content": content }), &[]).await;
+    let r = post(
+        &c,
+        &srv.url("/tokenize"),
+        &json!({ "content": content }),
+        &[],
+    )
+    .await;
     let v = json_body(r).await;
     let tokens = v["tokens"].as_array().expect("tokens");
     assert_eq!(tokens.len() as u64, count_tokens(content));
@@ -450,7 +471,10 @@ async fn drop_mid_stream_fault() {
     let mut body = r.into_body();
     let mut got = String::new();
     let err = loop {
-        match tokio::time::timeout(LONG, body.frame()).await.expect("frame in time") {
+        match tokio::time::timeout(LONG, body.frame())
+            .await
+            .expect("frame in time")
+        {
             Some(Ok(f)) => {
                 if let Ok(d) = f.into_data() {
                     got.push_str(std::str::from_utf8(&d).expect("utf-8"));
@@ -598,7 +622,10 @@ async fn wait_metrics(c: &HttpClient, srv: &Server, what: &str, pred: impl Fn(&s
         if pred(&m) {
             return;
         }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}:\n{m}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}:\n{m}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -667,7 +694,13 @@ async fn disconnect_frees_the_only_slot() {
     drop(conn);
     // With the slot still taken this would wait for a million tokens.
     let t0 = Instant::now();
-    let r = post(&c, &srv.url("/v1/chat/completions"), &chat_body(3, json!({})), &[]).await;
+    let r = post(
+        &c,
+        &srv.url("/v1/chat/completions"),
+        &chat_body(3, json!({})),
+        &[],
+    )
+    .await;
     let v = json_body(r).await;
     assert_eq!(v["usage"]["completion_tokens"], 3);
     assert!(t0.elapsed() < Duration::from_secs(5));
@@ -763,7 +796,10 @@ async fn time_scale_sets_the_pace() {
     let wall = t0.elapsed().as_secs_f64() * 1000.0;
     let predicted = v["timings"]["predicted_ms"].as_f64().expect("ms");
     // 500 decode steps × 0.4 ms = 200 ms.
-    assert!((150.0..400.0).contains(&predicted), "predicted_ms {predicted}");
+    assert!(
+        (150.0..400.0).contains(&predicted),
+        "predicted_ms {predicted}"
+    );
     assert!(wall >= predicted, "wall {wall} predicted {predicted}");
     srv.stop().await;
 }

@@ -446,6 +446,15 @@ tenant = "search"
     }
 
     #[test]
+    fn example_config_parses() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/config.example.toml");
+        let cfg = GatewayConfig::load_with_env(Some(Path::new(path)), Vec::new()).expect("valid");
+        assert_eq!(cfg.upstreams.len(), 2);
+        assert_eq!(cfg.api_key_map().len(), 1);
+        assert_eq!(cfg.listen, GatewayConfig::default().listen);
+    }
+
+    #[test]
     fn upstream_env() {
         let env = vec![("TOKENSCOPE_UPSTREAM".to_string(), "http://127.0.0.1:1/".to_string())];
         let cfg = GatewayConfig::load_with_env(None, env).expect("valid");

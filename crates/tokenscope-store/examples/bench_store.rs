@@ -194,7 +194,7 @@ impl Gen {
             input_bucket: Some(InputBucket::of(input)),
             queue_duration_ms: Some(queue),
             prefill_duration_ms: Some(prefill),
-            decode_duration_ms: ok.then(|| total - ttft),
+            decode_duration_ms: ok.then_some(total - ttft),
             queue_source: PhaseSource::Engine,
             prefill_source: PhaseSource::Engine,
             decode_source: PhaseSource::Derived,

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (`.ci/run` calls exactly this).
+#
+# 1. installs what is missing: promtool (Debian `prometheus`), llama.cpp's server and a small
+#    GGUF model (scripts/install-llama.sh, cached outside the clone);
+# 2. checks formatting and lints (cargo fmt, clippy -D warnings);
+# 3. builds and runs every test, including the real-engine ones.
+#
+# Environment:
+#   CARGO_TARGET_DIR   build cache (default: $HOME/.cache/tokenscope/target, outside the clone)
+#   TOKENSCOPE_CACHE   engine/model cache (default: $HOME/.cache/tokenscope)
+#   SKIP_INSTALL=1     do not install anything (tests needing a missing part then skip,
+#                      unless TOKENSCOPE_REQUIRE_ENGINE / TOKENSCOPE_REQUIRE_PROMTOOL are 1)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tokenscope/target}"
+export TOKENSCOPE_CACHE="${TOKENSCOPE_CACHE:-$HOME/.cache/tokenscope}"
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+step() { printf '\n==> %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
+
+if [ "${SKIP_INSTALL:-0}" != "1" ]; then
+  if ! command -v promtool >/dev/null 2>&1; then
+    step "installing promtool (Debian package prometheus)"
+    if command -v apt-get >/dev/null 2>&1; then
+      SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+      $SUDO apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq prometheus >/dev/null
+      # The package starts a server we do not need.
+      ($SUDO systemctl stop prometheus 2>/dev/null || $SUDO service prometheus stop 2>/dev/null || true) >/dev/null 2>&1
+    fi
+  fi
+  step "installing llama.cpp server + Gemma 3 270M (cached in $TOKENSCOPE_CACHE)"
+  # Runs in the background while Rust builds: both are long on 2 cores.
+  bash scripts/install-llama.sh > "$TOKENSCOPE_CACHE.install.log" 2>&1 &
+  LLAMA_PID=$!
+  export TOKENSCOPE_REQUIRE_ENGINE="${TOKENSCOPE_REQUIRE_ENGINE:-1}"
+  export TOKENSCOPE_REQUIRE_PROMTOOL="${TOKENSCOPE_REQUIRE_PROMTOOL:-1}"
+fi
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy (all targets, -D warnings)"
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+
+step "building tests"
+cargo test --workspace --no-run --quiet
+
+if [ -n "${LLAMA_PID:-}" ]; then
+  step "waiting for the engine install"
+  if ! wait "$LLAMA_PID"; then
+    cat "$TOKENSCOPE_CACHE.install.log" >&2
+    echo "engine install failed" >&2
+    exit 1
+  fi
+  tail -n 3 "$TOKENSCOPE_CACHE.install.log"
+fi
+
+step "cargo test --workspace"
+set +e
+cargo test --workspace 2>&1 | tee "${TMPDIR:-/tmp}/tokenscope-test.log"
+status=${PIPESTATUS[0]}
+set -e
+passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed; [0-9]+ failed' "${TMPDIR:-/tmp}/tokenscope-test.log" | awk '{p+=$4; f+=$6} END {print p+0, f+0}')
+read -r p f <<<"$passed"
+echo
+echo "$p passed, $f failed"
+exit "$status"

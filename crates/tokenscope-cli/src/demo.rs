@@ -79,9 +79,13 @@ pub async fn run(args: DemoArgs) -> Result<()> {
         slots: 8,
         ..tokenscope_mock::MockConfig::default()
     };
-    let mock = tokio::spawn(tokenscope_mock::serve(mock_listener, mock_cfg, async move {
-        let _ = mock_rx.await;
-    }));
+    let mock = tokio::spawn(tokenscope_mock::serve(
+        mock_listener,
+        mock_cfg,
+        async move {
+            let _ = mock_rx.await;
+        },
+    ));
 
     let mut cfg = GatewayConfig::load(None)?;
     cfg.set_single_upstream(&format!("http://{mock_addr}"));
@@ -93,7 +97,10 @@ pub async fn run(args: DemoArgs) -> Result<()> {
     let gw = Gateway::bind(cfg).await?;
     let proxy = gw.proxy_addr();
     let admin = gw.admin_addr();
-    eprintln!("mock engine  http://{mock_addr}  (simulated, time scale {})", args.time_scale);
+    eprintln!(
+        "mock engine  http://{mock_addr}  (simulated, time scale {})",
+        args.time_scale
+    );
     eprintln!("gateway      http://{proxy}   metrics http://{admin}/metrics");
     eprintln!("store        {}", args.store);
     let (gw_stop, gw_rx) = tokio::sync::oneshot::channel::<()>();
@@ -124,7 +131,8 @@ pub async fn run(args: DemoArgs) -> Result<()> {
                     break;
                 }
                 let mut rng = seed ^ (i.wrapping_mul(0x2545_F491_4F6C_DD1D)) ^ w;
-                let (user, line, rtype) = CALLERS[(splitmix(&mut rng) % CALLERS.len() as u64) as usize];
+                let (user, line, rtype) =
+                    CALLERS[(splitmix(&mut rng) % CALLERS.len() as u64) as usize];
                 let long = splitmix(&mut rng) % 100 < 20;
                 let words = if long {
                     600 + splitmix(&mut rng) % 1900
@@ -132,7 +140,11 @@ pub async fn run(args: DemoArgs) -> Result<()> {
                     10 + splitmix(&mut rng) % 90
                 };
                 let stream = splitmix(&mut rng) % 100 < 60;
-                let model = if splitmix(&mut rng) % 3 == 0 { "mock-llm-large" } else { "mock-llm" };
+                let model = if splitmix(&mut rng).is_multiple_of(3) {
+                    "mock-llm-large"
+                } else {
+                    "mock-llm"
+                };
                 let max_tokens = 16 + splitmix(&mut rng) % 180;
                 let body = serde_json::json!({
                     "model": model,

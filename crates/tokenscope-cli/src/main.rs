@@ -14,7 +14,11 @@ use tokenscope_gateway::{Gateway, GatewayConfig};
 use tokenscope_store::{render, run_report, Dimension, Format, ReportQuery, SqliteStore};
 
 #[derive(Parser)]
-#[command(name = "tokenscope", version, about = "Per-request token and latency observability for LLM inference")]
+#[command(
+    name = "tokenscope",
+    version,
+    about = "Per-request token and latency observability for LLM inference"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -213,7 +217,10 @@ fn report(args: ReportArgs) -> Result<()> {
         .context("--interval")?;
     let format: Format = args.format.parse()?;
     if !std::path::Path::new(&args.store).exists() {
-        bail!("store {} does not exist (run `tokenscope serve` or `tokenscope demo` first)", args.store);
+        bail!(
+            "store {} does not exist (run `tokenscope serve` or `tokenscope demo` first)",
+            args.store
+        );
     }
     let store = SqliteStore::open_read_only(&args.store)
         .with_context(|| format!("opening store {}", args.store))?;
@@ -233,7 +240,10 @@ async fn mock_engine(args: MockArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    println!("tokenscope mock-engine listening on {}", listener.local_addr()?);
+    println!(
+        "tokenscope mock-engine listening on {}",
+        listener.local_addr()?
+    );
     let cfg = tokenscope_mock::MockConfig {
         slots: args.slots,
         seed: args.seed,

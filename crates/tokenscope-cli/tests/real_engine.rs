@@ -29,7 +29,10 @@ impl Drop for Llama {
 fn llama_env() -> Option<HashMap<String, String>> {
     let path = std::env::var("TOKENSCOPE_LLAMA_ENV").unwrap_or_else(|_| {
         let cache = std::env::var("TOKENSCOPE_CACHE").unwrap_or_else(|_| {
-            format!("{}/.cache/tokenscope", std::env::var("HOME").unwrap_or_default())
+            format!(
+                "{}/.cache/tokenscope",
+                std::env::var("HOME").unwrap_or_default()
+            )
         });
         format!("{cache}/llama.env")
     });
@@ -39,9 +42,10 @@ fn llama_env() -> Option<HashMap<String, String>> {
         .filter_map(|l| l.split_once('='))
         .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
         .collect();
-    let ok = ["LLAMA_SERVER", "LLAMA_MODEL"]
-        .iter()
-        .all(|k| vars.get(*k).is_some_and(|p| std::path::Path::new(p).exists()));
+    let ok = ["LLAMA_SERVER", "LLAMA_MODEL"].iter().all(|k| {
+        vars.get(*k)
+            .is_some_and(|p| std::path::Path::new(p).exists())
+    });
     ok.then_some(vars)
 }
 
@@ -62,7 +66,10 @@ async fn start_llama() -> Option<Llama> {
     };
     let port = free_port();
     let child = Command::new(&vars["LLAMA_SERVER"])
-        .env("LD_LIBRARY_PATH", vars.get("LLAMA_LIB_DIR").cloned().unwrap_or_default())
+        .env(
+            "LD_LIBRARY_PATH",
+            vars.get("LLAMA_LIB_DIR").cloned().unwrap_or_default(),
+        )
         .args(["-m", &vars["LLAMA_MODEL"], "--host", "127.0.0.1", "--port"])
         .arg(port.to_string())
         // 4 parallel slots (continuous batching), metrics and slot inspection on.
@@ -85,7 +92,10 @@ async fn start_llama() -> Option<Llama> {
         if ok {
             return Some(llama);
         }
-        assert!(Instant::now() < deadline, "llama-server did not become healthy");
+        assert!(
+            Instant::now() < deadline,
+            "llama-server did not become healthy"
+        );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 }
@@ -128,7 +138,10 @@ async fn real_engine_end_to_end() {
     let (status, headers, body) = post_json(
         &gw.url("/v1/chat/completions"),
         &chat("Name three colours.", 12, false),
-        &[("x-tokenscope-user", "alice"), ("x-tokenscope-business-line", "search")],
+        &[
+            ("x-tokenscope-user", "alice"),
+            ("x-tokenscope-business-line", "search"),
+        ],
     )
     .await;
     sent += 1;
@@ -146,7 +159,10 @@ async fn real_engine_end_to_end() {
     // llama.cpp's own per-request timings fill prefill/decode.
     assert_eq!(rec["prefill_duration_ms"], resp["timings"]["prompt_ms"]);
     assert_eq!(rec["decode_duration_ms"], resp["timings"]["predicted_ms"]);
-    assert!(rec["ttft_ms"].is_null(), "no TTFT for a non-streamed response");
+    assert!(
+        rec["ttft_ms"].is_null(),
+        "no TTFT for a non-streamed response"
+    );
     ids.push(id);
 
     // 2. Streaming chat, client asked for usage: passed through untouched; exact TTFT/TPOT.
@@ -168,8 +184,14 @@ async fn real_engine_end_to_end() {
     assert!(n_out >= 2);
     let client_ttft = s.ttft_ms().expect("client ttft");
     let rec_ttft = f(&rec["ttft_ms"]);
-    assert!(rec_ttft <= client_ttft, "recorded TTFT {rec_ttft} > client {client_ttft}");
-    assert!(client_ttft - rec_ttft <= 5.0, "recorded TTFT {rec_ttft} vs client {client_ttft}");
+    assert!(
+        rec_ttft <= client_ttft,
+        "recorded TTFT {rec_ttft} > client {client_ttft}"
+    );
+    assert!(
+        client_ttft - rec_ttft <= 5.0,
+        "recorded TTFT {rec_ttft} vs client {client_ttft}"
+    );
     let client_tpot = s.tpot_ms(n_out).expect("client tpot");
     let rec_tpot = f(&rec["tpot_ms"]);
     assert!(
@@ -193,13 +215,23 @@ async fn real_engine_end_to_end() {
     sent += 1;
     streamed_with_output += 1;
     assert_eq!(s.status, 200);
-    assert!(s.events.iter().all(|e| e.usage().is_none()), "usage chunk leaked to the client");
-    assert!(s.events.iter().all(|e| e.json.as_ref().is_none_or(|j| j["choices"] != json!([]))));
+    assert!(
+        s.events.iter().all(|e| e.usage().is_none()),
+        "usage chunk leaked to the client"
+    );
+    assert!(s
+        .events
+        .iter()
+        .all(|e| e.json.as_ref().is_none_or(|j| j["choices"] != json!([]))));
     assert_eq!(s.events.last().map(|e| e.data.as_str()), Some("[DONE]"));
     let rec = gw.record(&s.request_id()).await;
     assert_eq!(rec["output_tokens_source"], "usage");
     assert_eq!(u(&rec["output_tokens"]), s.output_events().len() as u64);
-    assert_eq!(u(&rec["output_tokens"]), with_usage_tokens, "same greedy output as with usage");
+    assert_eq!(
+        u(&rec["output_tokens"]),
+        with_usage_tokens,
+        "same greedy output as with usage"
+    );
     let client_ttft = s.ttft_ms().expect("client ttft");
     let rec_ttft = f(&rec["ttft_ms"]);
     assert!(
@@ -235,7 +267,11 @@ async fn real_engine_end_to_end() {
     .await;
     sent += 1;
     streamed_with_output += 1;
-    let usage = s.events.iter().find_map(|e| e.usage().cloned()).expect("usage");
+    let usage = s
+        .events
+        .iter()
+        .find_map(|e| e.usage().cloned())
+        .expect("usage");
     let rec = gw.record(&s.request_id()).await;
     assert_eq!(rec["output_tokens"], usage["completion_tokens"]);
     assert_eq!(rec["input_tokens"], usage["prompt_tokens"]);
@@ -256,7 +292,11 @@ async fn real_engine_end_to_end() {
     //    engine slot is freed.
     let s = stream(
         &gw.url("/v1/chat/completions"),
-        &chat("Write a very long story about a lighthouse keeper.", 400, true),
+        &chat(
+            "Write a very long story about a lighthouse keeper.",
+            400,
+            true,
+        ),
         &[],
         Some(3),
     )
@@ -272,7 +312,10 @@ async fn real_engine_end_to_end() {
         if engine_processing(llama.port).await == 0.0 {
             break;
         }
-        assert!(Instant::now() < deadline, "the engine slot was not freed after the client left");
+        assert!(
+            Instant::now() < deadline,
+            "the engine slot was not freed after the client left"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     ids.push(s.request_id());
@@ -280,8 +323,14 @@ async fn real_engine_end_to_end() {
     // 6. Metrics: histogram counts equal the requests.
     let m = gw.metrics().await;
     assert_eq!(metric_sum(&m, "llm_requests_total"), sent as f64, "{m}");
-    assert_eq!(metric_sum(&m, "llm_request_latency_seconds_count"), sent as f64);
-    assert_eq!(metric_sum(&m, "llm_ttft_seconds_count"), streamed_with_output as f64);
+    assert_eq!(
+        metric_sum(&m, "llm_request_latency_seconds_count"),
+        sent as f64
+    );
+    assert_eq!(
+        metric_sum(&m, "llm_ttft_seconds_count"),
+        streamed_with_output as f64
+    );
     assert_eq!(metric_sum(&m, "llm_requests_in_flight"), 0.0);
     assert!(metric_sum(&m, "llm_tokens_total") > 0.0);
 

@@ -141,9 +141,11 @@ pub struct LlamaTimings {
 fn lenient_u64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     let v = Option::<Value>::deserialize(d)?;
     Ok(v.and_then(|v| match v {
-        Value::Number(n) => n
-            .as_u64()
-            .or_else(|| n.as_f64().filter(|f| *f >= 0.0 && f.is_finite()).map(|f| f as u64)),
+        Value::Number(n) => n.as_u64().or_else(|| {
+            n.as_f64()
+                .filter(|f| *f >= 0.0 && f.is_finite())
+                .map(|f| f as u64)
+        }),
         _ => None,
     }))
 }
@@ -284,7 +286,10 @@ mod tests {
     fn inject_usage_keeps_other_options() {
         let mut v = serde_json::json!({"stream_options": {"x": 1}});
         assert!(inject_include_usage(&mut v));
-        assert_eq!(v, serde_json::json!({"stream_options": {"x": 1, "include_usage": true}}));
+        assert_eq!(
+            v,
+            serde_json::json!({"stream_options": {"x": 1, "include_usage": true}})
+        );
         let mut v = serde_json::json!({});
         assert!(inject_include_usage(&mut v));
         assert_eq!(v["stream_options"]["include_usage"], true);
@@ -332,7 +337,11 @@ mod tests {
 
     #[test]
     fn error_payload_and_garbage() {
-        assert!(parse_payload(br#"{"error":{"message":"x"}}"#).expect("valid").is_error);
+        assert!(
+            parse_payload(br#"{"error":{"message":"x"}}"#)
+                .expect("valid")
+                .is_error
+        );
         assert!(parse_payload(b"{not json").is_err());
         assert!(parse_payload(b"[DONE]").is_err());
     }

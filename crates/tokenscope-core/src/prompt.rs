@@ -104,7 +104,8 @@ mod tests {
     #[test]
     fn whitespace_does_not_change_hash() {
         let a = json!({"messages":[{"role":"user","content":"Hello   world\n"}]});
-        let b = json!({"messages":[{"role":"user","content":[{"type":"text","text":" Hello world"}]}]});
+        let b =
+            json!({"messages":[{"role":"user","content":[{"type":"text","text":" Hello world"}]}]});
         let na = normalised_prompt(Endpoint::ChatCompletions, &a).expect("prompt");
         let nb = normalised_prompt(Endpoint::ChatCompletions, &b).expect("prompt");
         assert_eq!(na, nb);
@@ -126,7 +127,10 @@ mod tests {
     #[test]
     fn completion_and_embedding_inputs() {
         let c = json!({"prompt":"a  b"});
-        assert_eq!(normalised_prompt(Endpoint::Completions, &c).as_deref(), Some("a b"));
+        assert_eq!(
+            normalised_prompt(Endpoint::Completions, &c).as_deref(),
+            Some("a b")
+        );
         let e = json!({"input":["x","y"]});
         assert_eq!(
             normalised_prompt(Endpoint::Embeddings, &e).as_deref(),

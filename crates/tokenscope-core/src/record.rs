@@ -343,8 +343,14 @@ mod tests {
             Endpoint::from_path("/v1/chat/completions"),
             Some(Endpoint::ChatCompletions)
         );
-        assert_eq!(Endpoint::from_path("/v1/completions/"), Some(Endpoint::Completions));
-        assert_eq!(Endpoint::from_path("/v1/embeddings"), Some(Endpoint::Embeddings));
+        assert_eq!(
+            Endpoint::from_path("/v1/completions/"),
+            Some(Endpoint::Completions)
+        );
+        assert_eq!(
+            Endpoint::from_path("/v1/embeddings"),
+            Some(Endpoint::Embeddings)
+        );
         assert_eq!(Endpoint::from_path("/v1/models"), None);
     }
 }

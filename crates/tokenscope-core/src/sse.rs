@@ -207,7 +207,10 @@ mod tests {
     #[test]
     fn splits_on_blank_lines() {
         let (evs, rest) = split_all(&[b"data: a\n\ndata: b\n", b"\ndata: c"]);
-        assert_eq!(evs, vec![Bytes::from("data: a\n\n"), Bytes::from("data: b\n\n")]);
+        assert_eq!(
+            evs,
+            vec![Bytes::from("data: a\n\n"), Bytes::from("data: b\n\n")]
+        );
         assert_eq!(rest, Some(Bytes::from("data: c")));
     }
 
@@ -216,7 +219,10 @@ mod tests {
         let (evs, rest) = split_all(&[b"data: a\r", b"\n\r", b"\ndata: b\r\n\r\n"]);
         assert_eq!(
             evs,
-            vec![Bytes::from("data: a\r\n\r\n"), Bytes::from("data: b\r\n\r\n")]
+            vec![
+                Bytes::from("data: a\r\n\r\n"),
+                Bytes::from("data: b\r\n\r\n")
+            ]
         );
         assert_eq!(rest, None);
     }
@@ -226,7 +232,10 @@ mod tests {
         let ev = parse_event(b": comment\nevent: x\ndata: {\"a\":1}\ndata:two\n\n");
         assert_eq!(ev.event.as_deref(), Some("x"));
         assert_eq!(ev.data.as_deref(), Some("{\"a\":1}\ntwo"));
-        assert_eq!(parse_event(b"data: [DONE]\n\n").data.as_deref(), Some("[DONE]"));
+        assert_eq!(
+            parse_event(b"data: [DONE]\n\n").data.as_deref(),
+            Some("[DONE]")
+        );
         assert_eq!(parse_event(b": keepalive\n\n").data, None);
     }
 

@@ -50,7 +50,11 @@ pub(crate) enum Mode {
         blind: bool,
     },
     /// Anything else: forwarded unchanged, and kept (up to a cap) to read its usage at the end.
-    Whole { buf: Vec<u8>, cap: usize, overflow: bool },
+    Whole {
+        buf: Vec<u8>,
+        cap: usize,
+        overflow: bool,
+    },
 }
 
 /// The instrumented response body. See the module docs.
@@ -64,7 +68,12 @@ pub struct MeteredBody {
 }
 
 impl MeteredBody {
-    pub(crate) fn new(inner: Incoming, mode: Mode, guard: RecordGuard, idle_timeout: Duration) -> Self {
+    pub(crate) fn new(
+        inner: Incoming,
+        mode: Mode,
+        guard: RecordGuard,
+        idle_timeout: Duration,
+    ) -> Self {
         Self {
             inner,
             mode,
@@ -245,8 +254,10 @@ impl Body for MeteredBody {
                 Poll::Pending => {
                     if this.idle.as_mut().poll(cx).is_ready() {
                         this.done = true;
-                        this.guard
-                            .finish(Instant::now(), Some((Outcome::Timeout, "stream_idle_timeout")));
+                        this.guard.finish(
+                            Instant::now(),
+                            Some((Outcome::Timeout, "stream_idle_timeout")),
+                        );
                         return Poll::Ready(Some(Err(Box::new(BodyError::IdleTimeout(
                             this.idle_timeout,
                         )))));

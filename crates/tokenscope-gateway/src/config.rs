@@ -286,7 +286,10 @@ impl GatewayConfig {
 
     /// Checks ranges and consistency.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        for (what, addr) in [("listen", &self.listen), ("admin_listen", &self.admin_listen)] {
+        for (what, addr) in [
+            ("listen", &self.listen),
+            ("admin_listen", &self.admin_listen),
+        ] {
             addr.parse::<SocketAddr>()
                 .map_err(|e| ConfigError::Invalid(format!("{what} = {addr:?}: {e}")))?;
         }
@@ -415,7 +418,10 @@ tenant = "search"
         )
         .expect("write");
         let env = vec![
-            ("TOKENSCOPE_LISTEN".to_string(), "127.0.0.1:6000".to_string()),
+            (
+                "TOKENSCOPE_LISTEN".to_string(),
+                "127.0.0.1:6000".to_string(),
+            ),
             ("TOKENSCOPE_METRICS__USER_BUCKETS".into(), "32".into()),
             ("OTHER".into(), "x".into()),
         ];
@@ -428,7 +434,8 @@ tenant = "search"
         assert!(!cfg.upstreams[0].serves("llama"));
         let keys = cfg.api_key_map();
         assert_eq!(
-            keys.get(&sha256_hex("sk-secret")).and_then(|k| k.tenant.clone()),
+            keys.get(&sha256_hex("sk-secret"))
+                .and_then(|k| k.tenant.clone()),
             Some("search".into())
         );
     }
@@ -438,7 +445,10 @@ tenant = "search"
         let env = vec![("TOKENSCOPE_METRICS__NOPE".to_string(), "1".to_string())];
         assert!(GatewayConfig::load_with_env(None, env).is_err());
         let env = vec![("TOKENSCOPE_CACHE".to_string(), "/tmp".to_string())];
-        assert!(GatewayConfig::load_with_env(None, env).is_ok(), "script variables are ignored");
+        assert!(
+            GatewayConfig::load_with_env(None, env).is_ok(),
+            "script variables are ignored"
+        );
         let env = vec![("TOKENSCOPE_LISTEN".to_string(), "nope".to_string())];
         assert!(GatewayConfig::load_with_env(None, env).is_err());
         let env = vec![("TOKENSCOPE_UPSTREAM".to_string(), "https://x".to_string())];
@@ -447,7 +457,10 @@ tenant = "search"
 
     #[test]
     fn example_config_parses() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/config.example.toml");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/config.example.toml"
+        );
         let cfg = GatewayConfig::load_with_env(Some(Path::new(path)), Vec::new()).expect("valid");
         assert_eq!(cfg.upstreams.len(), 2);
         assert_eq!(cfg.api_key_map().len(), 1);
@@ -456,7 +469,10 @@ tenant = "search"
 
     #[test]
     fn upstream_env() {
-        let env = vec![("TOKENSCOPE_UPSTREAM".to_string(), "http://127.0.0.1:1/".to_string())];
+        let env = vec![(
+            "TOKENSCOPE_UPSTREAM".to_string(),
+            "http://127.0.0.1:1/".to_string(),
+        )];
         let cfg = GatewayConfig::load_with_env(None, env).expect("valid");
         assert_eq!(cfg.upstreams[0].url, "http://127.0.0.1:1");
         assert!(cfg.upstreams[0].serves("anything"));

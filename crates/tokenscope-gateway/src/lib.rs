@@ -244,7 +244,10 @@ impl Gateway {
 
     /// Serves until `shutdown` resolves, then stops accepting, lets in-flight requests finish
     /// (up to `shutdown_grace_ms`), drains the store pipeline and returns.
-    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<ShutdownSummary, GatewayError> {
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<ShutdownSummary, GatewayError> {
         let Gateway {
             shared,
             proxy,
@@ -291,7 +294,10 @@ impl Gateway {
             }
         };
         let admin_abort = admin_task.abort_handle();
-        if tokio::time::timeout(Duration::from_secs(2), admin_task).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(2), admin_task)
+            .await
+            .is_err()
+        {
             admin_abort.abort();
         }
         // Every record is final now (aborted requests were recorded as cancelled on drop).

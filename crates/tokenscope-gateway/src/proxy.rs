@@ -151,7 +151,10 @@ fn set_ids(h: &mut HeaderMap, request_id: &str, trace_id: &str) {
 /// The API key presented by the client, if any (`Authorization: Bearer`, `x-api-key`, `api-key`).
 fn api_key(h: &HeaderMap) -> Option<&str> {
     header_str(h, "authorization")
-        .and_then(|a| a.strip_prefix("Bearer ").or_else(|| a.strip_prefix("bearer ")))
+        .and_then(|a| {
+            a.strip_prefix("Bearer ")
+                .or_else(|| a.strip_prefix("bearer "))
+        })
         .map(str::trim)
         .or_else(|| header_str(h, "x-api-key"))
         .or_else(|| header_str(h, "api-key"))
@@ -213,7 +216,9 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     let body_bytes = match http_body_util::Limited::new(body, limit).collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) => {
-            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
                 return too_large(guard, limit, &request_id, &trace_id);
             }
             guard.finish(
@@ -233,7 +238,10 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
 
     // What the request asks for.
     let mut json: Option<Value> = serde_json::from_slice(&body_bytes).ok();
-    let info = json.as_ref().map(RequestInfo::from_json).unwrap_or_default();
+    let info = json
+        .as_ref()
+        .map(RequestInfo::from_json)
+        .unwrap_or_default();
     let mut strip_usage = false;
     if let Some(p) = guard.get() {
         p.rec.model = info.model.clone().unwrap_or_default();
@@ -271,7 +279,10 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
 
     // Routing.
     let Some(upstream) = shared.route(info.model.as_deref()) else {
-        guard.finish(Instant::now(), Some((Outcome::UpstreamError, "no_upstream")));
+        guard.finish(
+            Instant::now(),
+            Some((Outcome::UpstreamError, "no_upstream")),
+        );
         return error_response(
             StatusCode::BAD_GATEWAY,
             "no_upstream",
@@ -300,7 +311,10 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         if let Ok(v) = HeaderValue::from_str(&request_id) {
             h.insert(HeaderName::from_static(REQUEST_ID), v);
         }
-        h.insert(header::CONTENT_LENGTH, HeaderValue::from(forward_body.len()));
+        h.insert(
+            header::CONTENT_LENGTH,
+            HeaderValue::from(forward_body.len()),
+        );
     }
     let up = match up.body(Body::from(forward_body)) {
         Ok(r) => r,
@@ -384,7 +398,10 @@ fn too_large(mut guard: RecordGuard, limit: usize, request_id: &str, trace_id: &
     if let Some(p) = guard.get() {
         p.rec.http_status = 413;
     }
-    guard.finish(Instant::now(), Some((Outcome::ClientError, "body_too_large")));
+    guard.finish(
+        Instant::now(),
+        Some((Outcome::ClientError, "body_too_large")),
+    );
     let mut r = error_response(
         StatusCode::PAYLOAD_TOO_LARGE,
         "body_too_large",
@@ -398,7 +415,11 @@ fn too_large(mut guard: RecordGuard, limit: usize, request_id: &str, trace_id: &
 /// measured.
 pub(crate) async fn passthrough(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     let Some(upstream) = shared.route(None) else {
-        return error_response(StatusCode::BAD_GATEWAY, "no_upstream", "no upstream configured");
+        return error_response(
+            StatusCode::BAD_GATEWAY,
+            "no_upstream",
+            "no upstream configured",
+        );
     };
     let (parts, body) = req.into_parts();
     let uri = match upstream_uri(&upstream.base, &parts.uri) {
@@ -452,7 +473,11 @@ mod tests {
         assert_eq!(trace, "4bf92f3577b34da6a3ce929d0e0e4736");
         assert!(tp.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"));
         assert!(tp.ends_with("-01"));
-        assert_ne!(&tp[36..52], "00f067aa0ba902b7", "the gateway's own span id is sent");
+        assert_ne!(
+            &tp[36..52],
+            "00f067aa0ba902b7",
+            "the gateway's own span id is sent"
+        );
         let (fresh, _) = trace_context(&HeaderMap::new());
         assert_eq!(fresh.len(), 32);
     }

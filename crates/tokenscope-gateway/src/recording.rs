@@ -87,7 +87,11 @@ impl RecordGuard {
 impl Drop for RecordGuard {
     fn drop(&mut self) {
         if let Some(p) = self.0.take() {
-            finalize(*p, Instant::now(), Some((Outcome::Cancelled, "client_disconnected")));
+            finalize(
+                *p,
+                Instant::now(),
+                Some((Outcome::Cancelled, "client_disconnected")),
+            );
         }
     }
 }
@@ -136,7 +140,10 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
     } else if t.token_chunks() > 0 {
         (Some(t.token_chunks()), TokenSource::Chunks)
     } else if f.output_bytes > 0 {
-        (Some((f.output_bytes as u64).div_ceil(4)), TokenSource::Estimate)
+        (
+            Some((f.output_bytes as u64).div_ceil(4)),
+            TokenSource::Estimate,
+        )
     } else if rec.endpoint == tokenscope_core::Endpoint::Embeddings && usage.prompt_tokens.is_some()
     {
         (Some(0), TokenSource::Usage)

@@ -168,7 +168,11 @@ impl Metrics {
             "Tokens by type (input includes cached; cached is also counted alone)",
             tokens.clone(),
         );
-        registry.register("llm_requests", "Measured requests by outcome", requests.clone());
+        registry.register(
+            "llm_requests",
+            "Measured requests by outcome",
+            requests.clone(),
+        );
         registry.register(
             "llm_requests_in_flight",
             "Requests currently being served",
@@ -297,9 +301,10 @@ impl Metrics {
                 })
                 .observe(tpot / 1000.0);
         }
-        let user_bucket = self
-            .users
-            .label(rec.user_id.as_deref(), rec.input_tokens.unwrap_or(0) + rec.output_tokens.unwrap_or(0));
+        let user_bucket = self.users.label(
+            rec.user_id.as_deref(),
+            rec.input_tokens.unwrap_or(0) + rec.output_tokens.unwrap_or(0),
+        );
         for (token_type, n) in [
             ("input", rec.input_tokens),
             ("output", rec.output_tokens),
@@ -357,7 +362,11 @@ impl Metrics {
     pub fn dropped_total(&self) -> u64 {
         ["queue_full", "closed", "write_failed"]
             .into_iter()
-            .map(|reason| self.records_dropped.get_or_create(&ReasonLabels { reason }).get())
+            .map(|reason| {
+                self.records_dropped
+                    .get_or_create(&ReasonLabels { reason })
+                    .get()
+            })
             .sum()
     }
 
@@ -413,21 +422,24 @@ mod tests {
         let m = Metrics::new(MetricsConfig::default());
         {
             let _g = m.start_request("m1");
-            assert!(m.encode().contains("llm_requests_in_flight{model=\"m1\"} 1"));
+            assert!(m
+                .encode()
+                .contains("llm_requests_in_flight{model=\"m1\"} 1"));
         }
         m.observe(&rec("m1", Outcome::Ok));
         m.observe(&rec("m1", Outcome::Timeout));
         let text = m.encode();
-        assert!(text.contains("llm_requests_in_flight{model=\"m1\"} 0"), "{text}");
-        assert!(text.contains(
-            "llm_requests_total{model=\"m1\",request_type=\"chat\",status=\"ok\"} 1"
-        ));
+        assert!(
+            text.contains("llm_requests_in_flight{model=\"m1\"} 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("llm_requests_total{model=\"m1\",request_type=\"chat\",status=\"ok\"} 1")
+        );
         assert!(text.contains(
             "llm_requests_total{model=\"m1\",request_type=\"chat\",status=\"timeout\"} 1"
         ));
-        assert!(text.contains(
-            "llm_ttft_seconds_count{model=\"m1\",input_bucket=\"0-128\"} 2"
-        ));
+        assert!(text.contains("llm_ttft_seconds_count{model=\"m1\",input_bucket=\"0-128\"} 2"));
         assert!(text.contains("llm_tpot_seconds_count{model=\"m1\"} 2"));
         assert!(text.contains("token_type=\"output\""));
         assert!(!text.contains("alice"), "user ids must not be labels");

@@ -38,7 +38,7 @@ enum Cmd {
 
 #[derive(Args)]
 struct ServeArgs {
-    /// Upstream engine base URL (repeat for several; routing by model needs --config).
+    /// Upstream engine base URL (one; for several upstreams routed by model use --config).
     /// Without any upstream, the built-in mock engine is started and used.
     #[arg(long, env = "TOKENSCOPE_UPSTREAM")]
     upstream: Option<String>,

@@ -152,15 +152,15 @@ fn lenient_u64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D:
 
 /// What one response body (non-streaming) or one SSE `data:` payload (streaming) says.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct PayloadInfo {
-    /// `model`.
-    pub model: Option<String>,
+pub struct PayloadInfo<'a> {
+    /// `model` (borrowed from the input when possible).
+    pub model: Option<Cow<'a, str>>,
     /// At least one choice carries output (text, reasoning, tool call, refusal).
     pub has_output: bool,
     /// `choices` is present and empty (the usage-only chunk when usage is also present).
     pub empty_choices: bool,
     /// `finish_reason` of the first choice that has one.
-    pub finish_reason: Option<String>,
+    pub finish_reason: Option<Cow<'a, str>>,
     /// The `usage` object.
     pub usage: Option<Usage>,
     /// llama.cpp's `timings`.
@@ -171,17 +171,48 @@ pub struct PayloadInfo {
     pub output_bytes: usize,
 }
 
-impl PayloadInfo {
+impl PayloadInfo<'_> {
     /// The usage-only chunk the gateway adds with `include_usage`: empty `choices` and a usage.
     pub fn is_usage_only(&self) -> bool {
         self.empty_choices && self.usage.is_some()
     }
 }
 
+/// A string borrowed from the input when it has no escapes (no allocation per chunk).
+struct BStr<'a>(Cow<'a, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for BStr<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = BStr<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(BStr(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(BStr(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(BStr(Cow::Owned(v)))
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+impl BStr<'_> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
 #[derive(Deserialize)]
 struct RawPayload<'a> {
     #[serde(borrow, default)]
-    model: Option<Cow<'a, str>>,
+    model: Option<BStr<'a>>,
     #[serde(borrow, default)]
     choices: Option<Vec<RawChoice<'a>>>,
     #[serde(default)]
@@ -199,9 +230,9 @@ struct RawChoice<'a> {
     #[serde(borrow, default)]
     message: Option<RawMessage<'a>>,
     #[serde(borrow, default)]
-    text: Option<Cow<'a, str>>,
+    text: Option<BStr<'a>>,
     #[serde(borrow, default)]
-    finish_reason: Option<Cow<'a, str>>,
+    finish_reason: Option<BStr<'a>>,
 }
 
 #[derive(Deserialize)]
@@ -209,11 +240,11 @@ struct RawMessage<'a> {
     #[serde(borrow, default)]
     content: Option<RawContent<'a>>,
     #[serde(borrow, default)]
-    reasoning_content: Option<Cow<'a, str>>,
+    reasoning_content: Option<BStr<'a>>,
     #[serde(borrow, default)]
-    reasoning: Option<Cow<'a, str>>,
+    reasoning: Option<BStr<'a>>,
     #[serde(borrow, default)]
-    refusal: Option<Cow<'a, str>>,
+    refusal: Option<BStr<'a>>,
     #[serde(default)]
     tool_calls: Option<Vec<IgnoredAny>>,
 }
@@ -221,7 +252,7 @@ struct RawMessage<'a> {
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum RawContent<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
+    Text(#[serde(borrow)] BStr<'a>),
     Other(IgnoredAny),
 }
 
@@ -231,10 +262,10 @@ enum RawContent<'a> {
 pub struct PayloadError(#[from] serde_json::Error);
 
 /// Reads a chat/completion/embedding response body or one streamed `data:` payload.
-pub fn parse_payload(data: &[u8]) -> Result<PayloadInfo, PayloadError> {
+pub fn parse_payload(data: &[u8]) -> Result<PayloadInfo<'_>, PayloadError> {
     let raw: RawPayload<'_> = serde_json::from_slice(data)?;
     let mut info = PayloadInfo {
-        model: raw.model.map(Cow::into_owned),
+        model: raw.model.map(|m| m.0),
         usage: raw.usage,
         timings: raw.timings,
         is_error: raw.error.is_some(),
@@ -257,7 +288,7 @@ pub fn parse_payload(data: &[u8]) -> Result<PayloadInfo, PayloadError> {
             info.output_bytes += bytes;
             info.has_output |= bytes > 0 || tools;
             if info.finish_reason.is_none() {
-                info.finish_reason = c.finish_reason.map(Cow::into_owned);
+                info.finish_reason = c.finish_reason.map(|r| r.0);
             }
         }
     }

@@ -13,6 +13,7 @@
 //! * No input makes it panic (property-tested and fuzzed).
 
 use bytes::{Bytes, BytesMut};
+use std::borrow::Cow;
 
 /// Errors of [`EventSplitter::push`].
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -78,6 +79,28 @@ impl EventSplitter {
         Ok(())
     }
 
+    /// Like [`EventSplitter::push`] for a chunk already in a [`Bytes`]: when nothing is pending
+    /// (the common case: engines write whole events) complete events are yielded as zero-copy
+    /// slices of `chunk`, and only a trailing incomplete event is copied.
+    pub fn push_bytes(
+        &mut self,
+        chunk: &Bytes,
+        mut on_event: impl FnMut(Bytes),
+    ) -> Result<(), SplitError> {
+        if !self.pending.is_empty() {
+            return self.push(chunk, on_event);
+        }
+        let mut start = 0;
+        while let Some(end) = find_boundary(&chunk[start..], 0) {
+            on_event(chunk.slice(start..start + end));
+            start += end;
+        }
+        if start < chunk.len() {
+            self.push(&chunk[start..], on_event)?;
+        }
+        Ok(())
+    }
+
     /// Takes whatever is left at end of stream (an event without its blank line), if any.
     pub fn finish(&mut self) -> Option<Bytes> {
         self.scan_from = 0;
@@ -123,18 +146,19 @@ fn find_boundary(buf: &[u8], from: usize) -> Option<usize> {
     None
 }
 
-/// The fields of one SSE event that the gateway cares about.
+/// The fields of one SSE event that the gateway cares about (borrowed from the raw event when
+/// it is a single valid UTF-8 `data:` line, the common case: no allocation).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct SseEvent {
+pub struct SseEvent<'a> {
     /// The `event:` field, if present.
-    pub event: Option<String>,
+    pub event: Option<Cow<'a, str>>,
     /// The `data:` lines joined with `\n`; `None` when the event has no data line.
-    pub data: Option<String>,
+    pub data: Option<Cow<'a, str>>,
 }
 
 /// Parses one raw event (as yielded by [`EventSplitter`]). Lines that are not valid UTF-8 are
 /// decoded lossily; comment lines (`:`) and unknown fields are ignored.
-pub fn parse_event(raw: &[u8]) -> SseEvent {
+pub fn parse_event(raw: &[u8]) -> SseEvent<'_> {
     let mut ev = SseEvent::default();
     for line in split_lines(raw) {
         if line.is_empty() || line[0] == b':' {
@@ -151,12 +175,13 @@ pub fn parse_event(raw: &[u8]) -> SseEvent {
         match field {
             b"data" => match &mut ev.data {
                 Some(d) => {
+                    let d = d.to_mut();
                     d.push('\n');
                     d.push_str(&value);
                 }
-                None => ev.data = Some(value.into_owned()),
+                None => ev.data = Some(value),
             },
-            b"event" => ev.event = Some(value.into_owned()),
+            b"event" => ev.event = Some(value),
             _ => {}
         }
     }
@@ -261,6 +286,14 @@ mod tests {
             chunks.push(&stream[prev..]);
             let (evs, rest) = split_all(&chunks);
             let (whole, whole_rest) = split_all(&[&stream]);
+            // The zero-copy path yields the same events.
+            let mut s = EventSplitter::new(1 << 20);
+            let mut zc = Vec::new();
+            for c in &chunks {
+                s.push_bytes(&Bytes::copy_from_slice(c), |e| zc.push(e)).expect("within limit");
+            }
+            prop_assert_eq!(&zc, &evs);
+            prop_assert_eq!(&s.finish(), &rest);
             prop_assert_eq!(&evs, &whole);
             prop_assert_eq!(&rest, &whole_rest);
             let mut joined: Vec<u8> = evs.iter().flat_map(|b| b.to_vec()).collect();

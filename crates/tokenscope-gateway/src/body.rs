@@ -109,7 +109,7 @@ impl MeteredBody {
                 blind,
             } => {
                 if !*strip {
-                    let res = splitter.push(&data, |raw| {
+                    let res = splitter.push_bytes(&data, |raw| {
                         on_event(p, &raw, now, false);
                     });
                     if res.is_err() {
@@ -119,7 +119,7 @@ impl MeteredBody {
                 }
                 let mut out: Option<Bytes> = None;
                 let mut joined: Option<BytesMut> = None;
-                let res = splitter.push(&data, |raw| {
+                let res = splitter.push_bytes(&data, |raw| {
                     if on_event(p, &raw, now, true) {
                         return; // the usage-only event the client did not ask for
                     }
@@ -181,8 +181,12 @@ impl MeteredBody {
                                 let f = &mut p.facts;
                                 f.usage = info.usage.or(f.usage);
                                 f.timings = info.timings.or(f.timings);
-                                f.finish_reason = info.finish_reason.or(f.finish_reason.take());
-                                f.model_served = info.model.or(f.model_served.take());
+                                if let Some(r) = info.finish_reason {
+                                    f.finish_reason = Some(r.into_owned());
+                                }
+                                if let Some(m) = info.model {
+                                    f.model_served = Some(m.into_owned());
+                                }
                                 f.output_bytes += info.output_bytes;
                             }
                             Err(_) => p.facts.malformed = true,
@@ -222,10 +226,10 @@ fn on_event(p: &mut crate::recording::Pending, raw: &[u8], now: Instant, strip: 
                 f.timings = info.timings;
             }
             if let Some(r) = info.finish_reason {
-                f.finish_reason = Some(r);
+                f.finish_reason = Some(r.into_owned());
             }
             if f.model_served.is_none() {
-                f.model_served = info.model;
+                f.model_served = info.model.map(|m| m.into_owned());
             }
             f.stream_error |= info.is_error;
             strip_this

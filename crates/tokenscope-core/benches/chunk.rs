@@ -1,0 +1,50 @@
+//! Per-chunk cost of the gateway's measurement: what `MeteredBody` does for every streamed
+//! frame (split SSE events, parse the `data:` JSON, stamp the timer).
+//!
+//! `cargo bench -p tokenscope-core --bench chunk`
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use std::hint::black_box;
+use std::time::Instant;
+use tokenscope_core::openai::parse_payload;
+use tokenscope_core::sse::{parse_event, EventSplitter};
+use tokenscope_core::StreamTimer;
+
+/// A token chunk exactly as llama.cpp's server sends it.
+const LLAMA_CHUNK: &[u8] = br#"data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" lighthouse"}}],"created":1796224255,"id":"chatcmpl-3SK7BDeHjEj31LxKDGv0WWOYI27Ry2ag","model":"gemma-3-270m-q4_k_m.gguf","system_fingerprint":"b0-unknown","object":"chat.completion.chunk"}
+
+"#;
+
+fn per_chunk(c: &mut Criterion) {
+    let mut g = c.benchmark_group("per_chunk");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("split+parse+stamp (llama.cpp token chunk)", |b| {
+        let mut splitter = EventSplitter::new(1 << 20);
+        let mut timer = StreamTimer::new(Instant::now());
+        let frame = bytes::Bytes::from_static(LLAMA_CHUNK);
+        b.iter(|| {
+            let now = Instant::now();
+            splitter
+                .push_bytes(black_box(&frame), |raw| {
+                    let ev = parse_event(&raw);
+                    if let Some(data) = ev.data {
+                        if let Ok(info) = parse_payload(data.as_bytes()) {
+                            if info.has_output {
+                                timer.on_token_chunk(now);
+                            }
+                        }
+                    }
+                })
+                .expect("fits");
+        });
+        black_box(timer.token_chunks());
+    });
+    g.bench_function("parse_payload only", |b| {
+        let data = &LLAMA_CHUNK[6..LLAMA_CHUNK.len() - 2];
+        b.iter(|| parse_payload(black_box(data)).map(|i| i.has_output))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, per_chunk);
+criterion_main!(benches);

@@ -113,6 +113,11 @@ impl EventSplitter {
 fn find_boundary(buf: &[u8], from: usize) -> Option<usize> {
     let mut i = from;
     while i < buf.len() {
+        // Jump to the next line terminator (memchr is SIMD-accelerated).
+        match memchr::memchr2(b'\n', b'\r', &buf[i..]) {
+            Some(off) => i += off,
+            None => return None,
+        }
         // Position after a line terminator starting at i, if any.
         let after_first = match buf[i] {
             b'\n' => i + 1,

@@ -1,7 +1,8 @@
 //! The admin listener (localhost by default): `/metrics` for Prometheus, health, and a small
 //! JSON API over the most recent records.
 //!
-//! * `GET /metrics` — OpenMetrics text (`application/openmetrics-text; version=1.0.0`).
+//! * `GET /metrics` — OpenMetrics text when the `Accept` header asks for it, else the
+//!   Prometheus 0.0.4 text format.
 //! * `GET /healthz` — `ok`.
 //! * `GET /api/requests?limit=N` — the last N finished records, newest first (in memory).
 //! * `GET /api/requests/{request_id}` — one recent record, 404 when not in memory.
@@ -33,15 +34,32 @@ pub(crate) fn router(shared: Arc<Shared>, pipeline: Arc<PipelineHandle>) -> Rout
         .with_state(AdminState { shared, pipeline })
 }
 
-async fn metrics(State(s): State<AdminState>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        s.shared.metrics.encode(),
-    )
-        .into_response()
+/// OpenMetrics when the scraper asks for it (Prometheus does), the classic text format
+/// otherwise (curl, promtool, older scrapers).
+async fn metrics(State(s): State<AdminState>, headers: axum::http::HeaderMap) -> Response {
+    let wants_om = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("application/openmetrics-text"));
+    if wants_om {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            s.shared.metrics.encode(),
+        )
+            .into_response()
+    } else {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            s.shared.metrics.encode_prometheus_text(),
+        )
+            .into_response()
+    }
 }
 
 #[derive(Deserialize)]

@@ -232,6 +232,10 @@ impl Metrics {
             Unit::Bytes,
             upstream_bytes.clone(),
         );
+        // Every drop reason exists from the start, so `rate()` alerts see the first drop.
+        for reason in ["queue_full", "closed", "write_failed"] {
+            let _ = records_dropped.get_or_create(&ReasonLabels { reason });
+        }
         Self {
             registry,
             models: ModelLabeler::new(cfg.max_models),
@@ -378,10 +382,59 @@ impl Metrics {
         out
     }
 
+    /// Encodes the registry in the classic Prometheus text format (0.0.4), for scrapers and
+    /// tools that do not negotiate OpenMetrics (e.g. `promtool check metrics`). See
+    /// [`openmetrics_to_prometheus_text`].
+    pub fn encode_prometheus_text(&self) -> String {
+        openmetrics_to_prometheus_text(&self.encode())
+    }
+
     /// Registry access for other components that add their own metrics.
     pub fn registry_mut(&mut self) -> &mut Registry {
         &mut self.registry
     }
+}
+
+/// Converts OpenMetrics text (as prometheus-client writes it) to the Prometheus 0.0.4 text
+/// format: counter families are named with their `_total` suffix in `# HELP`/`# TYPE`, `# UNIT`
+/// and `# EOF` lines are dropped, exemplars (` # {...} v`) are removed from samples.
+pub fn openmetrics_to_prometheus_text(om: &str) -> String {
+    let mut out = String::with_capacity(om.len());
+    let mut pending_help: Option<(&str, &str)> = None;
+    for line in om.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            pending_help = Some((name, help));
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "untyped"));
+            let (name_out, kind_out) = match kind {
+                "counter" if !name.ends_with("_total") => (format!("{name}_total"), "counter"),
+                "info" => (format!("{name}_info"), "gauge"),
+                "stateset" => (name.to_owned(), "gauge"),
+                "unknown" => (name.to_owned(), "untyped"),
+                k => (name.to_owned(), k),
+            };
+            if let Some((hname, help)) = pending_help.take() {
+                if hname == name {
+                    out.push_str(&format!("# HELP {name_out} {help}\n"));
+                }
+            }
+            out.push_str(&format!("# TYPE {name_out} {kind_out}\n"));
+            continue;
+        }
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        let sample = match line.find(" # {") {
+            Some(i) => &line[..i],
+            None => line,
+        };
+        out.push_str(sample);
+        out.push('\n');
+    }
+    out
 }
 
 /// Decrements `llm_requests_in_flight{model}` on drop.
@@ -443,6 +496,24 @@ mod tests {
         assert!(text.contains("llm_tpot_seconds_count{model=\"m1\"} 2"));
         assert!(text.contains("token_type=\"output\""));
         assert!(!text.contains("alice"), "user ids must not be labels");
+    }
+
+    #[test]
+    fn prometheus_text_conversion() {
+        let m = Metrics::new(MetricsConfig::default());
+        m.observe(&rec("m1", Outcome::Ok));
+        let text = m.encode_prometheus_text();
+        assert!(text.contains("# TYPE llm_requests_total counter\n"));
+        assert!(text.contains("# HELP llm_requests_total "));
+        assert!(text.contains("# TYPE llm_ttft_seconds histogram\n"));
+        assert!(!text.contains("# EOF"));
+        assert!(!text.contains("# UNIT"));
+        assert!(text.contains("tokenscope_records_dropped_total{reason=\"queue_full\"} 0"));
+        let om = "# HELP x_seconds h\n# TYPE x_seconds histogram\n# UNIT x_seconds seconds\nx_seconds_bucket{le=\"1.0\"} 1 # {trace_id=\"ab\"} 0.5\n# EOF\n";
+        assert_eq!(
+            openmetrics_to_prometheus_text(om),
+            "# HELP x_seconds h\n# TYPE x_seconds histogram\nx_seconds_bucket{le=\"1.0\"} 1\n"
+        );
     }
 
     #[test]

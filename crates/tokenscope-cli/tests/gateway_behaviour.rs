@@ -838,3 +838,46 @@ async fn report_cli_matches_requests() {
         [("ann".to_owned(), 3), ("bob".to_owned(), 2)].into()
     );
 }
+
+/// Several upstreams in a `--config` file, routed by model name (exact, prefix pattern, and the
+/// default for anything else); each record names the upstream that served it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_by_model_across_upstreams() {
+    let a = MockProc::start(&[]);
+    let b = MockProc::start(&[]);
+    let cfg_dir = tempfile::tempdir().expect("tempdir");
+    let cfg = cfg_dir.path().join("routes.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[upstreams]]\nname = \"engine-a\"\nurl = \"{}\"\nmodels = [\"small-model\", \"llama*\"]\n\
+             [[upstreams]]\nname = \"engine-b\"\nurl = \"{}\"\ndefault = true\n",
+            a.url(),
+            b.url()
+        ),
+    )
+    .expect("write config");
+    let cfg_path = cfg.to_str().expect("utf-8 path");
+    let gw = GatewayProc::start_with_args(None, &["--config", cfg_path], &[]);
+    let url = gw.url("/v1/chat/completions");
+    for (model, want) in [
+        ("small-model", "engine-a"),
+        ("llama-3-8b", "engine-a"),
+        ("big-model", "engine-b"),
+    ] {
+        let body = serde_json::json!({
+            "model": model, "max_tokens": 3,
+            "messages": [{"role": "user", "content": "route me"}]
+        });
+        let (status, headers, _) = post_json(&url, &body, &[]).await;
+        assert_eq!(status, 200);
+        let id = headers["x-request-id"].to_str().expect("id").to_owned();
+        let rec = gw.record(&id).await;
+        assert_eq!(rec["upstream"], want, "model {model}");
+        assert_eq!(rec["model"], model);
+    }
+    // Both engines really served traffic.
+    let served = |text: String| metric_sum(&text, "vllm:generation_tokens_total");
+    assert!(served(a.metrics().await) > 0.0);
+    assert!(served(b.metrics().await) > 0.0);
+}

@@ -881,3 +881,25 @@ async fn routes_by_model_across_upstreams() {
     assert!(served(a.metrics().await) > 0.0);
     assert!(served(b.metrics().await) > 0.0);
 }
+
+/// `/v1/embeddings` is measured: input tokens from the engine's usage, zero output tokens,
+/// request type `embeddings`, no TTFT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_are_measured() {
+    let mock = MockProc::start(&[]);
+    let gw = GatewayProc::start(&mock.url(), &[]);
+    let body = serde_json::json!({"model": "embed-model", "input": ["alpha beta", "gamma"]});
+    let (status, headers, resp) = post_json(&gw.url("/v1/embeddings"), &body, &[]).await;
+    assert_eq!(status, 200);
+    let resp: serde_json::Value = serde_json::from_slice(&resp).expect("json");
+    let rec = gw
+        .record(headers["x-request-id"].to_str().expect("id"))
+        .await;
+    assert_eq!(rec["endpoint"], "embeddings");
+    assert_eq!(rec["request_type"], "embeddings");
+    assert_eq!(rec["input_tokens"], resp["usage"]["prompt_tokens"]);
+    assert_eq!(rec["input_tokens_source"], "usage");
+    assert_eq!(rec["output_tokens"], 0);
+    assert!(rec["ttft_ms"].is_null());
+    assert_eq!(rec["outcome"], "ok");
+}

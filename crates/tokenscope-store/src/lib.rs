@@ -31,5 +31,8 @@ pub use pipeline::{
     spawn_pipeline, DropReason, NoopObserver, PipelineConfig, PipelineHandle, PipelineObserver,
     RecordSink, Recorder, ShutdownReport,
 };
-pub use report::{render, run_report, Dimension, Format, Quantiles, ReportQuery, ReportRow};
+pub use report::{
+    render, run_report, run_report_on, run_report_threads, Dimension, Format, Quantiles,
+    ReportQuery, ReportRow, NONE_LABEL,
+};
 pub use sqlite::SqliteStore;

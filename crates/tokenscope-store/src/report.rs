@@ -54,6 +54,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::path::Path;
 use std::str::FromStr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -309,18 +310,127 @@ impl FromStr for Format {
 // Query execution
 // ---------------------------------------------------------------------------------------------
 
-/// Runs `q` against a store (see the module docs for the semantics).
+/// Runs `q` against a store (see the module docs for the semantics). For a file-backed
+/// store the `created_at` range is split into one slice per available core (at most 4), each
+/// scanned on its own read-only connection in parallel; results are identical to a
+/// single-threaded run because partial groups are merged before any quantile is taken.
 pub fn run_report(store: &SqliteStore, q: &ReportQuery) -> Result<Vec<ReportRow>, StoreError> {
-    run_report_on(store.conn(), q)
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(4);
+    run_report_threads(store, q, threads)
 }
 
-/// [`run_report`] on a raw connection holding the tokenscope schema.
+/// [`run_report`] with an explicit number of scanning threads (1 = single-threaded).
+pub fn run_report_threads(
+    store: &SqliteStore,
+    q: &ReportQuery,
+    threads: usize,
+) -> Result<Vec<ReportRow>, StoreError> {
+    validate(q)?;
+    let now = now_us();
+    let in_memory = store.path() == Path::new(":memory:");
+    if threads <= 1 || in_memory {
+        let part = scan(store.conn(), q, q.since_us, q.until_us)?;
+        return Ok(finish(q, vec![part], now));
+    }
+    let slices = match split_range(store.conn(), q, threads)? {
+        Some(s) => s,
+        None => return Ok(Vec::new()), // no rows in range
+    };
+    let path = store.path();
+    let parts = std::thread::scope(|scope| {
+        let workers: Vec<_> = slices[1..]
+            .iter()
+            .map(|&(lo, hi)| {
+                scope.spawn(move || -> Result<Partial, StoreError> {
+                    let conn = SqliteStore::open_read_only(path)?;
+                    scan(conn.conn(), q, lo, hi)
+                })
+            })
+            .collect();
+        let mut parts = Vec::with_capacity(slices.len());
+        let (lo, hi) = slices[0];
+        parts.push(scan(store.conn(), q, lo, hi));
+        for w in workers {
+            parts.push(w.join().unwrap_or(Err(StoreError::InvalidQuery(
+                "report worker thread panicked".to_owned(),
+            ))));
+        }
+        parts
+    });
+    let parts = parts.into_iter().collect::<Result<Vec<_>, _>>()?;
+    Ok(finish(q, parts, now))
+}
+
+/// [`run_report`] on a raw connection holding the tokenscope schema (single-threaded).
 pub fn run_report_on(conn: &Connection, q: &ReportQuery) -> Result<Vec<ReportRow>, StoreError> {
-    let now_us = SystemTime::now()
+    run_report_at(conn, q, now_us())
+}
+
+/// [`run_report_on`] with an explicit "now" (used when `until_us` is `None`).
+pub fn run_report_at(
+    conn: &Connection,
+    q: &ReportQuery,
+    now_us: i64,
+) -> Result<Vec<ReportRow>, StoreError> {
+    validate(q)?;
+    let part = scan(conn, q, q.since_us, q.until_us)?;
+    Ok(finish(q, vec![part], now_us))
+}
+
+fn now_us() -> i64 {
+    SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
-        .unwrap_or(0);
-    run_report_at(conn, q, now_us)
+        .unwrap_or(0)
+}
+
+/// A `[lo, hi)` slice of `created_at` (`hi = None`: unbounded).
+type Slice = (i64, Option<i64>);
+
+/// Splits the query range into up to `n` contiguous `[lo, hi)` slices of equal time span
+/// between the first and last matching `created_at` (two index lookups). `None` when the range
+/// holds no rows. The first slice starts at `since_us`, the last ends at `until_us`.
+fn split_range(
+    conn: &Connection,
+    q: &ReportQuery,
+    n: usize,
+) -> Result<Option<Vec<Slice>>, StoreError> {
+    let bounded = |agg: &str| -> Result<Option<i64>, StoreError> {
+        let sql = match q.until_us {
+            Some(_) => format!(
+                "SELECT {agg}(created_at) FROM {TABLE} WHERE created_at >= ?1 AND created_at < ?2"
+            ),
+            None => format!("SELECT {agg}(created_at) FROM {TABLE} WHERE created_at >= ?1"),
+        };
+        let mut stmt = conn.prepare_cached(&sql)?;
+        let v = match q.until_us {
+            Some(u) => stmt.query_row([q.since_us, u], |r| r.get(0))?,
+            None => stmt.query_row([q.since_us], |r| r.get(0))?,
+        };
+        Ok(v)
+    };
+    let (Some(first), Some(last)) = (bounded("MIN")?, bounded("MAX")?) else {
+        return Ok(None);
+    };
+    let span = i128::from(last) - i128::from(first) + 1;
+    let n = (n as i128).clamp(1, span.max(1));
+    let mut cuts: Vec<i64> = (1..n)
+        .map(|k| (i128::from(first) + span * k / n) as i64)
+        .collect();
+    cuts.dedup();
+    let mut slices = Vec::with_capacity(cuts.len() + 1);
+    let mut lo = q.since_us;
+    for c in cuts {
+        if c > lo {
+            slices.push((lo, Some(c)));
+            lo = c;
+        }
+    }
+    slices.push((lo, q.until_us));
+    Ok(Some(slices))
 }
 
 /// A small, fast, non-cryptographic hasher (FxHash) for the per-row group lookups.
@@ -404,18 +514,21 @@ impl Interner {
         id
     }
 
-    fn label(&self, dim: Dimension, id: i64) -> String {
+    /// The value's text; `None` for NULL.
+    fn label(&self, dim: Dimension, id: i64) -> Option<String> {
         if id < 0 {
-            return NONE_LABEL.to_owned();
+            return None;
         }
         if dim == Dimension::Stream {
-            return if id == 1 { "true" } else { "false" }.to_owned();
+            return Some(if id == 1 { "true" } else { "false" }.to_owned());
         }
-        usize::try_from(id)
-            .ok()
-            .and_then(|i| self.names.get(i))
-            .cloned()
-            .unwrap_or_default()
+        Some(
+            usize::try_from(id)
+                .ok()
+                .and_then(|i| self.names.get(i))
+                .cloned()
+                .unwrap_or_default(),
+        )
     }
 }
 
@@ -506,32 +619,31 @@ fn filter_value(dim: Dimension, raw: &str) -> Result<FilterValue, StoreError> {
     }
 }
 
-/// [`run_report_on`] with an explicit "now" (used when `until_us` is `None`).
-pub fn run_report_at(
-    conn: &Connection,
+/// The report's SELECT: only the needed columns, the `created_at` range `[lo, hi)` (served by the
+/// covering `idx_log_created_at`), and the filters. Column order: 0 outcome, 1 ttft,
+/// 2 tpot, 3 total, 4 input, 5 output, 6 cached, [7 created_at, only with an interval],
+/// then the group dimensions from the returned offset on.
+fn report_sql(
     q: &ReportQuery,
-    now_us: i64,
-) -> Result<Vec<ReportRow>, StoreError> {
-    validate(q)?;
-    let until_eff = q.until_us.unwrap_or(now_us);
-    let interval_us = q
-        .interval
-        .map(|iv| i64::try_from(iv.as_micros()).unwrap_or(i64::MAX));
-
-    // Column order: 0 outcome, 1 ttft, 2 tpot, 3 total, 4 in, 5 out, 6 cached, 7 created_at,
-    // 8.. group dimensions.
-    const FIXED: usize = 8;
+    lo: i64,
+    hi: Option<i64>,
+) -> Result<(String, Vec<rusqlite::types::Value>, usize), StoreError> {
     let mut sql = String::from(
         "SELECT outcome, ttft_ms, tpot_ms, total_duration_ms, input_tokens, output_tokens, \
-         cached_tokens, created_at",
+         cached_tokens",
     );
+    let mut fixed = 7;
+    if q.interval.is_some() {
+        sql.push_str(", created_at");
+        fixed += 1;
+    }
     for d in &q.group_by {
         sql.push_str(", ");
         sql.push_str(d.column());
     }
     sql.push_str(&format!(" FROM {TABLE} WHERE created_at >= ?"));
-    let mut params: Vec<rusqlite::types::Value> = vec![q.since_us.into()];
-    if let Some(until) = q.until_us {
+    let mut params: Vec<rusqlite::types::Value> = vec![lo.into()];
+    if let Some(until) = hi {
         sql.push_str(" AND created_at < ?");
         params.push(until.into());
     }
@@ -548,16 +660,32 @@ pub fn run_report_at(
             }
         }
     }
+    Ok((sql, params, fixed))
+}
 
+/// One scan's accumulators: group keys are interned ids, local to this scan.
+struct Partial {
+    interners: Vec<Interner>,
+    accs: Vec<(Vec<i64>, Acc)>,
+}
+
+/// Scans `[lo, hi)` (plus the query's filters) and accumulates per group.
+fn scan(
+    conn: &Connection,
+    q: &ReportQuery,
+    lo: i64,
+    hi: Option<i64>,
+) -> Result<Partial, StoreError> {
+    let interval_us = interval_us(q);
+    let (sql, params, fixed) = report_sql(q, lo, hi)?;
     let mut stmt = conn.prepare_cached(&sql)?;
     let mut rows = stmt.query(rusqlite::params_from_iter(params))?;
 
     let ndims = q.group_by.len();
-    let key_len = ndims + 1;
     let mut interners: Vec<Interner> = (0..ndims).map(|_| Interner::default()).collect();
     let mut index: FxMap<Vec<i64>, usize> = FxMap::default();
     let mut accs: Vec<(Vec<i64>, Acc)> = Vec::new();
-    let mut key: Vec<i64> = Vec::with_capacity(key_len);
+    let mut key: Vec<i64> = Vec::with_capacity(ndims + 1);
 
     while let Some(row) = rows.next()? {
         key.clear();
@@ -573,7 +701,7 @@ pub fn run_report_at(
         };
         key.push(bucket);
         for (i, d) in q.group_by.iter().enumerate() {
-            let v = row.get_ref(FIXED + i)?;
+            let v = row.get_ref(fixed + i)?;
             key.push(interners[i].id_of(*d, v));
         }
         let slot = match index.get(key.as_slice()) {
@@ -603,26 +731,72 @@ pub fn run_report_at(
         acc.output_tokens += tokens(row.get_ref(5)?);
         acc.cached_tokens += tokens(row.get_ref(6)?);
     }
-    drop(rows);
+    Ok(Partial { interners, accs })
+}
+
+fn interval_us(q: &ReportQuery) -> Option<i64> {
+    q.interval
+        .map(|iv| i64::try_from(iv.as_micros()).unwrap_or(i64::MAX))
+}
+
+impl Acc {
+    fn merge(&mut self, other: Acc) {
+        self.count += other.count;
+        self.ok += other.ok;
+        self.ttft.extend(other.ttft);
+        self.tpot.extend(other.tpot);
+        self.e2e.extend(other.e2e);
+        self.input_tokens += other.input_tokens;
+        self.output_tokens += other.output_tokens;
+        self.cached_tokens += other.cached_tokens;
+    }
+}
+
+/// Merges partial scans by group label, orders the groups, computes quantiles and rates.
+fn finish(q: &ReportQuery, parts: Vec<Partial>, now_us: i64) -> Vec<ReportRow> {
+    let until_eff = q.until_us.unwrap_or(now_us);
+    let interval_us = interval_us(q);
+
+    // (bucket, labels) → accumulator; labels are `None` for NULL.
+    type GroupKey = (i64, Vec<Option<String>>);
+    let mut merged: HashMap<GroupKey, Acc> = HashMap::new();
+    for part in parts {
+        for (k, acc) in part.accs {
+            let labels: Vec<Option<String>> = q
+                .group_by
+                .iter()
+                .enumerate()
+                .map(|(i, d)| part.interners[i].label(*d, k[i + 1]))
+                .collect();
+            match merged.entry((k[0], labels)) {
+                std::collections::hash_map::Entry::Occupied(mut e) => e.get_mut().merge(acc),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(acc);
+                }
+            }
+        }
+    }
 
     // Order: bucket, then each dimension's natural order.
-    let sort_key = |key: &[i64]| -> Vec<SortPart> {
-        q.group_by
-            .iter()
-            .enumerate()
-            .map(|(i, d)| sort_part(*d, &interners[i], key[i + 1]))
-            .collect()
-    };
-    let mut keyed: Vec<(i64, Vec<SortPart>, Vec<i64>, Acc)> = accs
+    type Keyed = (i64, Vec<SortPart>, Vec<Option<String>>, Acc);
+    let mut keyed: Vec<Keyed> = merged
         .into_iter()
-        .map(|(k, a)| (k[0], sort_key(&k), k, a))
+        .map(|((bucket, labels), a)| {
+            let sk = q
+                .group_by
+                .iter()
+                .zip(&labels)
+                .map(|(d, l)| sort_part(*d, l.as_deref()))
+                .collect();
+            (bucket, sk, labels, a)
+        })
         .collect();
     keyed.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
 
     let range_secs = (until_eff.saturating_sub(q.since_us)) as f64 / 1e6;
-    let out = keyed
+    keyed
         .into_iter()
-        .map(|(bucket, _, k, mut a)| {
+        .map(|(bucket, _, labels, mut a)| {
             let window_s = match interval_us {
                 Some(iv) => {
                     let start = bucket.max(q.since_us);
@@ -636,8 +810,8 @@ pub fn run_report_at(
                 group: q
                     .group_by
                     .iter()
-                    .enumerate()
-                    .map(|(i, d)| (*d, interners[i].label(*d, k[i + 1])))
+                    .zip(labels)
+                    .map(|(d, l)| (*d, l.unwrap_or_else(|| NONE_LABEL.to_owned())))
                     .collect(),
                 count: a.count,
                 ok: a.ok,
@@ -659,27 +833,25 @@ pub fn run_report_at(
                 cached_tokens: a.cached_tokens,
             }
         })
-        .collect();
-    Ok(out)
+        .collect()
 }
 
 /// Per-dimension ordering: (NULL last, numeric rank, text).
 #[derive(PartialEq, Eq, PartialOrd, Ord)]
 struct SortPart(bool, u32, String);
 
-fn sort_part(dim: Dimension, interner: &Interner, id: i64) -> SortPart {
-    if id < 0 {
+fn sort_part(dim: Dimension, label: Option<&str>) -> SortPart {
+    let Some(label) = label else {
         return SortPart(true, 0, String::new());
-    }
-    let label = interner.label(dim, id);
+    };
     let rank = match dim {
-        Dimension::Stream => u32::try_from(id).unwrap_or(0),
-        Dimension::InputBucket => parse_input_bucket(&label)
+        Dimension::Stream => u32::from(label == "true"),
+        Dimension::InputBucket => parse_input_bucket(label)
             .and_then(|b| InputBucket::ALL.iter().position(|x| *x == b))
             .map_or(u32::MAX, |p| p as u32),
         _ => 0,
     };
-    SortPart(false, rank, label)
+    SortPart(false, rank, label.to_owned())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1229,6 +1401,118 @@ mod tests {
         let empty = render(&[], &query, Format::Csv);
         assert_eq!(empty.lines().count(), 1);
         assert_eq!(render(&[], &query, Format::Json).trim(), "[]");
+    }
+
+    #[test]
+    fn report_scans_the_covering_index() {
+        let s = fixture();
+        for group_by in [
+            vec![],
+            vec![Dimension::User, Dimension::Stream],
+            Dimension::ALL.to_vec(),
+        ] {
+            let mut query = q(group_by);
+            query.interval = Some(Duration::from_secs(3600));
+            let (sql, params, _) = report_sql(&query, query.since_us, query.until_us).expect("sql");
+            let mut stmt = s
+                .conn()
+                .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .expect("explain");
+            let plan: Vec<String> = stmt
+                .query_map(rusqlite::params_from_iter(params), |r| {
+                    r.get::<_, String>(3)
+                })
+                .expect("plan")
+                .collect::<Result<_, _>>()
+                .expect("rows");
+            let plan = plan.join("\n");
+            assert!(
+                plan.contains("USING COVERING INDEX idx_log_created_at"),
+                "{plan}"
+            );
+        }
+    }
+
+    #[test]
+    fn parallel_slices_equal_single_thread() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("r.db");
+        let mut w = SqliteStore::open(&path).expect("open");
+        let mut seed = 0x1234_5678_9abc_def0_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let recs: Vec<RequestRecord> = (0..3000)
+            .map(|i| {
+                let x = next();
+                let outcome = if x % 17 == 0 {
+                    Outcome::Timeout
+                } else {
+                    Outcome::Ok
+                };
+                let ttft = (x % 3 != 0).then_some((x % 10_000) as f64 / 7.0);
+                let user = format!("u{}", x % 13);
+                let mut r = mk(
+                    &i.to_string(),
+                    T0 + (x % (3 * DAY as u64)) as i64,
+                    ["a", "b", "c"][(x % 3) as usize],
+                    (x % 11 != 0).then_some(user.as_str()),
+                    outcome,
+                    ttft,
+                    (x % 100_000) as f64 / 3.0,
+                    Some(x % 5000),
+                );
+                r.stream = x % 2 == 0;
+                r
+            })
+            .collect();
+        w.insert_batch(&recs).expect("insert");
+        let r = SqliteStore::open_read_only(&path).expect("reader");
+        let queries = [
+            q(vec![Dimension::Model]),
+            q(vec![
+                Dimension::User,
+                Dimension::Stream,
+                Dimension::InputBucket,
+            ]),
+            ReportQuery {
+                interval: Some(Duration::from_secs(6 * 3600)),
+                until_us: Some(T0 + 3 * DAY),
+                ..q(vec![Dimension::Status])
+            },
+            ReportQuery {
+                filters: vec![(Dimension::Model, "b".to_owned())],
+                ..q(vec![Dimension::User])
+            },
+        ];
+        for query in &queries {
+            let single = run_report_threads(&r, query, 1).expect("single");
+            assert!(!single.is_empty());
+            for threads in [2, 3, 4] {
+                let par = run_report_threads(&r, query, threads).expect("parallel");
+                assert_eq!(par.len(), single.len());
+                for (a, b) in par.iter().zip(&single) {
+                    let strip = |x: &ReportRow| {
+                        let mut x = x.clone();
+                        for m in [&mut x.ttft, &mut x.tpot, &mut x.e2e] {
+                            m.mean = m.mean.map(|v| (v * 1e6).round());
+                        }
+                        x
+                    };
+                    assert_eq!(strip(a), strip(b));
+                }
+            }
+        }
+        // Empty range.
+        let empty = ReportQuery {
+            since_us: T0 + 10 * DAY,
+            until_us: Some(T0 + 11 * DAY),
+            ..q(vec![])
+        };
+        assert!(run_report_threads(&r, &empty, 2).expect("empty").is_empty());
     }
 
     #[test]

@@ -21,8 +21,15 @@
 //! * [`SqliteStore::insert_batch`] writes a whole batch in one transaction with one cached
 //!   prepared statement: a batch is all-or-nothing.
 //!
-//! Indexes: `created_at`; `(model, created_at)`; `(user_id, created_at)`;
+//! Indexes: `created_at` (leading column of `idx_log_created_at`, which also carries every
+//! column a [report](crate::report) reads, so a report is one sequential scan of that index
+//! and never touches the wide table rows); `(model, created_at)`; `(user_id, created_at)`;
 //! `(tenant, created_at)`; `(business_line, created_at)`; `prompt_hash`.
+//!
+//! Write cost: the per-dimension and `prompt_hash` indexes receive scattered inserts (one
+//! insertion point per distinct user / prompt), so a 1024-row batch dirties hundreds of index
+//! pages. The writer therefore checkpoints every 32 MiB of WAL instead of SQLite's default
+//! 4 MiB; see `docs/benchmarks.md` for measured throughput.
 //!
 //! ## Two questions, one SQL statement each
 //!
@@ -156,7 +163,14 @@ const MIGRATIONS: &[&str] = &[
         draft_tokens          INTEGER,
         draft_accepted_tokens INTEGER
     );
-    CREATE INDEX idx_log_created_at ON llm_inference_log (created_at);
+    -- Time index, covering every column a report reads: a report is one sequential range
+    -- scan of this index and never touches the wide table rows.
+    CREATE INDEX idx_log_created_at ON llm_inference_log (
+        created_at, outcome, ttft_ms, tpot_ms, total_duration_ms,
+        input_tokens, output_tokens, cached_tokens,
+        model, input_bucket, user_id, tenant, business_line, request_type,
+        endpoint, upstream, stream
+    );
     CREATE INDEX idx_log_model_time ON llm_inference_log (model, created_at);
     CREATE INDEX idx_log_user_time ON llm_inference_log (user_id, created_at);
     CREATE INDEX idx_log_tenant_time ON llm_inference_log (tenant, created_at);
@@ -203,8 +217,14 @@ impl SqliteStore {
         // Returns the resulting mode ("wal", or "memory" for in-memory databases).
         let _mode: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
-        // 32 MiB page cache: keeps the hot parts of the secondary indexes resident.
-        conn.pragma_update(None, "cache_size", -32_768)?;
+        // 64 MiB page cache: keeps the hot leaf pages of the secondary indexes resident.
+        conn.pragma_update(None, "cache_size", -65_536)?;
+        // Checkpoint every 8192 pages (32 MiB of WAL) rather than every 1000: the
+        // per-dimension indexes dirty many scattered pages per batch, and a checkpoint writes
+        // each page once however often it changed; fewer, larger checkpoints mean fewer
+        // fsyncs. The WAL file is truncated back to 64 MiB after a checkpoint.
+        conn.pragma_update(None, "wal_autocheckpoint", 8192)?;
+        conn.pragma_update(None, "journal_size_limit", 64_i64 << 20)?;
         conn.set_prepared_statement_cache_capacity(32);
         migrate(&mut conn)?;
         Ok(Self { conn, path })

@@ -24,5 +24,7 @@ pub mod record;
 pub mod sse;
 pub mod timing;
 
-pub use record::{Endpoint, InputBucket, Outcome, PhaseSource, RequestRecord, TokenSource};
+pub use record::{
+    Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
+};
 pub use timing::StreamTimer;

@@ -305,6 +305,40 @@ pub struct RequestRecord {
     pub draft_tokens: Option<u64>,
     /// Speculative decoding: draft tokens accepted (llama.cpp `draft_n_accepted`).
     pub draft_accepted_tokens: Option<u64>,
+    /// Which engine adapter read this response (`llamacpp`, `vllm`, `tgi`, `sglang`, `openai`).
+    pub engine: Option<String>,
+    /// Input tokens counted at the entry with the model's own tokenizer (or the engine's
+    /// `/tokenize`), before the engine answered.
+    pub input_tokens_entry: Option<u64>,
+    /// Engine state at this request's arrival: requests running.
+    pub engine_running: Option<f64>,
+    /// Engine state at this request's arrival: requests waiting.
+    pub engine_waiting: Option<f64>,
+    /// Engine state at this request's arrival: KV-cache usage, 0–1.
+    pub engine_kv_usage: Option<f64>,
+    /// GPU state at this request's arrival: utilisation, 0–1 (mean over the engine's GPUs).
+    pub gpu_utilization: Option<f64>,
+    /// GPU state at this request's arrival: memory-bandwidth utilisation, 0–1.
+    pub gpu_memory_bandwidth: Option<f64>,
+}
+
+/// Engine-side phase values that arrive after the record was written (OTLP spans from vLLM or
+/// SGLang), joined to the record by trace id. `None` fields leave the stored value unchanged;
+/// every `Some` phase is stored with source `engine`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct PhaseUpdate {
+    /// Trace id (32 lower-case hex) shared by the gateway's record and the engine's span.
+    pub trace_id: String,
+    /// Engine queue time, ms.
+    pub queue_duration_ms: Option<f64>,
+    /// Engine prefill time, ms.
+    pub prefill_duration_ms: Option<f64>,
+    /// Engine decode time, ms.
+    pub decode_duration_ms: Option<f64>,
+    /// Engine-side prompt tokens (fills `input_tokens` only when the record has none).
+    pub input_tokens: Option<u64>,
+    /// Engine-side completion tokens (fills `output_tokens` only when the record has none).
+    pub output_tokens: Option<u64>,
 }
 
 impl RequestRecord {

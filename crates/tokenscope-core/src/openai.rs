@@ -138,6 +138,29 @@ pub struct LlamaTimings {
     pub draft_n_accepted: Option<u64>,
 }
 
+/// vLLM's per-request `metrics` object (server flag `--enable-per-request-metrics`; on the
+/// final usage chunk when streaming). Source: vLLM `docs/features/per_request_metrics.md`.
+/// `time_to_first_token_ms` runs from *scheduling* to the first token, so it is the prefill
+/// time; `generation_time_ms` is first → last token (decode).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+pub struct VllmMetrics {
+    /// Scheduled → first output token (prefill), ms.
+    #[serde(default)]
+    pub time_to_first_token_ms: Option<f64>,
+    /// First → last output token (decode), ms.
+    #[serde(default)]
+    pub generation_time_ms: Option<f64>,
+    /// Waiting in the scheduler queue, ms.
+    #[serde(default)]
+    pub queue_time_ms: Option<f64>,
+    /// Mean inter-token latency in decode, ms.
+    #[serde(default)]
+    pub mean_itl_ms: Option<f64>,
+    /// Output tokens per second over scheduling → last token.
+    #[serde(default)]
+    pub tokens_per_second: Option<f64>,
+}
+
 fn lenient_u64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     let v = Option::<Value>::deserialize(d)?;
     Ok(v.and_then(|v| match v {
@@ -165,6 +188,8 @@ pub struct PayloadInfo<'a> {
     pub usage: Option<Usage>,
     /// llama.cpp's `timings`.
     pub timings: Option<LlamaTimings>,
+    /// vLLM's per-request `metrics`.
+    pub metrics: Option<VllmMetrics>,
     /// The payload is an error object (`{"error": ...}`).
     pub is_error: bool,
     /// Bytes of output text in this payload (for estimates when no usage arrives).
@@ -176,6 +201,14 @@ impl PayloadInfo<'_> {
     pub fn is_usage_only(&self) -> bool {
         self.empty_choices && self.usage.is_some()
     }
+}
+
+/// `metrics` of another shape (some servers use the name for other things) is ignored.
+fn lenient_metrics<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<VllmMetrics>, D::Error> {
+    let v = Option::<Value>::deserialize(d)?;
+    Ok(v.and_then(|v| serde_json::from_value(v).ok()))
 }
 
 /// A string borrowed from the input when it has no escapes (no allocation per chunk).
@@ -222,6 +255,8 @@ struct RawPayload<'a> {
     usage: Option<Usage>,
     #[serde(default)]
     timings: Option<LlamaTimings>,
+    #[serde(default, deserialize_with = "lenient_metrics")]
+    metrics: Option<VllmMetrics>,
     #[serde(default)]
     error: Option<IgnoredAny>,
 }
@@ -271,6 +306,7 @@ pub fn parse_payload(data: &[u8]) -> Result<PayloadInfo<'_>, PayloadError> {
         model: raw.model.map(|m| m.0),
         usage: raw.usage,
         timings: raw.timings,
+        metrics: raw.metrics,
         is_error: raw.error.is_some(),
         ..PayloadInfo::default()
     };
@@ -367,6 +403,18 @@ mod tests {
         let e = parse_payload(br#"{"object":"list","data":[{"embedding":[0.1]}],"usage":{"prompt_tokens":4,"total_tokens":4}}"#).expect("valid");
         assert_eq!(e.usage.and_then(|u| u.prompt_tokens), Some(4));
         assert!(!e.has_output);
+    }
+
+    #[test]
+    fn vllm_per_request_metrics() {
+        // Shape from vLLM docs/features/per_request_metrics.md.
+        let p = parse_payload(br#"{"id":"chatcmpl-abc123","object":"chat.completion","model":"meta-llama/Llama-3.1-8B-Instruct","choices":[{"index":0,"message":{"role":"assistant","content":"Paris"},"finish_reason":"stop"}],"usage":{"prompt_tokens":42,"completion_tokens":128,"total_tokens":170},"metrics":{"time_to_first_token_ms":85.2,"generation_time_ms":1240.5,"queue_time_ms":12.3,"mean_itl_ms":9.1,"tokens_per_second":103.2}}"#).expect("valid");
+        let m = p.metrics.expect("metrics");
+        assert_eq!(m.queue_time_ms, Some(12.3));
+        assert_eq!(m.time_to_first_token_ms, Some(85.2));
+        assert_eq!(m.generation_time_ms, Some(1240.5));
+        let odd = parse_payload(br#"{"choices":[],"metrics":"n/a"}"#).expect("valid");
+        assert_eq!(odd.metrics, None);
     }
 
     #[test]

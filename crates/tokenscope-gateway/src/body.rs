@@ -181,6 +181,7 @@ impl MeteredBody {
                                 let f = &mut p.facts;
                                 f.usage = info.usage.or(f.usage);
                                 f.timings = info.timings.or(f.timings);
+                                f.metrics = info.metrics.or(f.metrics);
                                 if let Some(r) = info.finish_reason {
                                     f.finish_reason = Some(r.into_owned());
                                 }
@@ -224,6 +225,9 @@ fn on_event(p: &mut crate::recording::Pending, raw: &[u8], now: Instant, strip: 
             }
             if info.timings.is_some() {
                 f.timings = info.timings;
+            }
+            if info.metrics.is_some() {
+                f.metrics = info.metrics;
             }
             if let Some(r) = info.finish_reason {
                 f.finish_reason = Some(r.into_owned());

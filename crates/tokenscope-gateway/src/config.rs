@@ -115,6 +115,13 @@ pub struct UpstreamConfig {
     /// Used when no pattern matches (the first upstream is the default when none says so).
     #[serde(default)]
     pub default: bool,
+    /// The engine behind it (`auto`, `llamacpp`, `vllm`, `tgi`, `sglang`, `openai`).
+    #[serde(default)]
+    pub kind: crate::engine::EngineKind,
+    /// vLLM: add `"include_metrics": true` to requests, for vLLM builds that gate the
+    /// per-request `metrics` object per request as well as by `--enable-per-request-metrics`.
+    #[serde(default)]
+    pub request_metrics: bool,
 }
 
 impl UpstreamConfig {
@@ -281,6 +288,8 @@ impl GatewayConfig {
             url: url.trim_end_matches('/').to_owned(),
             models: vec!["*".into()],
             default: true,
+            kind: crate::engine::EngineKind::Auto,
+            request_metrics: false,
         }];
     }
 

@@ -20,6 +20,7 @@
 mod admin;
 pub mod body;
 pub mod config;
+pub mod engine;
 mod proxy;
 pub mod recording;
 

@@ -291,6 +291,15 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     };
     if let Some(p) = guard.get() {
         p.rec.upstream.clone_from(&upstream.name);
+        p.facts.kind = upstream.cfg.kind;
+    }
+    if upstream.cfg.request_metrics {
+        if let Some(obj) = json.as_mut().and_then(|v| v.as_object_mut()) {
+            obj.insert("include_metrics".into(), Value::Bool(true));
+            if let Ok(b) = serde_json::to_vec(&obj) {
+                forward_body = Bytes::from(b);
+            }
+        }
     }
     let uri = match upstream_uri(&upstream.base, &parts.uri) {
         Ok(u) => u,
@@ -365,6 +374,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     if let Some(p) = guard.get() {
         p.timer.mark_headers(headers_at);
         p.facts.status = Some(status.as_u16());
+        p.facts.tgi = crate::engine::TgiHeaders::read(resp.headers());
     }
     let is_sse = resp
         .headers()

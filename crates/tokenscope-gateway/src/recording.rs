@@ -11,10 +11,11 @@
 //! Finishing never blocks: it updates in-memory metrics, pushes into the recent-records ring,
 //! and `try_send`s the record into the bounded store pipeline ([`RecordOut`]).
 
+use crate::engine::{EngineKind, TgiHeaders};
 use crate::Shared;
 use std::sync::Arc;
 use std::time::Instant;
-use tokenscope_core::openai::{LlamaTimings, Usage};
+use tokenscope_core::openai::{LlamaTimings, Usage, VllmMetrics};
 use tokenscope_core::{InputBucket, Outcome, PhaseSource, RequestRecord, StreamTimer, TokenSource};
 use tokenscope_telemetry::InFlightGuard;
 
@@ -30,6 +31,10 @@ pub(crate) struct ResponseFacts {
     pub status: Option<u16>,
     pub usage: Option<Usage>,
     pub timings: Option<LlamaTimings>,
+    pub metrics: Option<VllmMetrics>,
+    pub tgi: Option<TgiHeaders>,
+    /// The configured engine kind of the upstream.
+    pub kind: EngineKind,
     pub finish_reason: Option<String>,
     pub model_served: Option<String>,
     pub output_bytes: usize,
@@ -127,6 +132,8 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
         (Some(n), TokenSource::Usage)
     } else if let Some(n) = timings.prompt_n {
         (Some(n + timings.cache_n.unwrap_or(0)), TokenSource::Engine)
+    } else if let Some(n) = f.tgi.and_then(|t| t.prompt_tokens) {
+        (Some(n), TokenSource::Engine)
     } else if let Some(n) = p.entry_input_tokens {
         (Some(n), TokenSource::Estimate)
     } else {
@@ -136,6 +143,8 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
     (rec.output_tokens, rec.output_tokens_source) = if let Some(n) = usage.completion_tokens {
         (Some(n), TokenSource::Usage)
     } else if let Some(n) = timings.predicted_n {
+        (Some(n), TokenSource::Engine)
+    } else if let Some(n) = f.tgi.and_then(|t| t.generated_tokens) {
         (Some(n), TokenSource::Engine)
     } else if t.token_chunks() > 0 {
         (Some(t.token_chunks()), TokenSource::Chunks)
@@ -160,20 +169,66 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
         rec.chunks = Some(t.token_chunks());
     }
 
-    // Engine phases (llama.cpp timings): prefill and decode of this very request.
-    if let Some(ms) = timings.prompt_ms {
-        rec.prefill_duration_ms = Some(ms);
-        rec.prefill_source = PhaseSource::Engine;
+    // Engine phases of this very request (see `engine.rs` for the per-engine mapping).
+    let set = |v: &mut Option<f64>, src: &mut PhaseSource, val: Option<f64>| {
+        if let Some(ms) = val.filter(|m| m.is_finite() && *m >= 0.0) {
+            *v = Some(ms);
+            *src = PhaseSource::Engine;
+        }
+    };
+    if let Some(m) = f.metrics {
+        set(
+            &mut rec.queue_duration_ms,
+            &mut rec.queue_source,
+            m.queue_time_ms,
+        );
+        set(
+            &mut rec.prefill_duration_ms,
+            &mut rec.prefill_source,
+            m.time_to_first_token_ms,
+        );
+        set(
+            &mut rec.decode_duration_ms,
+            &mut rec.decode_source,
+            m.generation_time_ms,
+        );
     }
-    if let Some(ms) = timings.predicted_ms {
-        rec.decode_duration_ms = Some(ms);
-        rec.decode_source = PhaseSource::Engine;
+    if let Some(tgi) = f.tgi {
+        set(
+            &mut rec.queue_duration_ms,
+            &mut rec.queue_source,
+            tgi.queue_ms,
+        );
     }
-    if let (Some(ttft), Some(prefill)) = (rec.ttft_ms, rec.prefill_duration_ms) {
-        let overhead = rec.gateway_overhead_ms.unwrap_or(0.0);
-        rec.queue_duration_ms = Some((ttft - prefill - overhead).max(0.0));
-        rec.queue_source = PhaseSource::Derived;
+    set(
+        &mut rec.prefill_duration_ms,
+        &mut rec.prefill_source,
+        timings.prompt_ms,
+    );
+    set(
+        &mut rec.decode_duration_ms,
+        &mut rec.decode_source,
+        timings.predicted_ms,
+    );
+    if rec.queue_source == PhaseSource::None {
+        if let (Some(ttft), Some(prefill)) = (rec.ttft_ms, rec.prefill_duration_ms) {
+            let overhead = rec.gateway_overhead_ms.unwrap_or(0.0);
+            rec.queue_duration_ms = Some((ttft - prefill - overhead).max(0.0));
+            rec.queue_source = PhaseSource::Derived;
+        }
     }
+    rec.engine = f.kind.name().map(str::to_owned).or_else(|| {
+        let detected = if f.timings.is_some() {
+            "llamacpp"
+        } else if f.metrics.is_some() {
+            "vllm"
+        } else if f.tgi.is_some() {
+            "tgi"
+        } else {
+            return None;
+        };
+        Some(detected.to_owned())
+    });
     rec.draft_tokens = timings.draft_n;
     rec.draft_accepted_tokens = timings.draft_n_accepted;
 

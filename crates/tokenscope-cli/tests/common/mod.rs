@@ -486,6 +486,8 @@ pub struct Reply {
     pub steps: Vec<Step>,
     /// One piece with a `content-length` (pauses ignored) instead of chunked encoding.
     pub sized: bool,
+    /// Extra response headers.
+    pub headers: Vec<(&'static str, String)>,
 }
 
 impl Reply {
@@ -496,6 +498,7 @@ impl Reply {
             content_type,
             steps: vec![Step::Send(body.into())],
             sized: true,
+            headers: Vec::new(),
         }
     }
 
@@ -506,6 +509,7 @@ impl Reply {
             content_type,
             steps,
             sized: false,
+            headers: Vec::new(),
         }
     }
 
@@ -643,6 +647,12 @@ async fn fixture_handler(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static(reply.content_type),
     );
+    for (k, v) in reply.headers {
+        resp.headers_mut().insert(
+            http::HeaderName::from_static(k),
+            http::HeaderValue::from_str(&v).expect("header value"),
+        );
+    }
     resp
 }
 

@@ -34,6 +34,10 @@ if [ "${SKIP_INSTALL:-0}" != "1" ]; then
   # Runs in the background while Rust builds: both are long on 2 cores.
   bash scripts/install-llama.sh > "$TOKENSCOPE_CACHE.install.log" 2>&1 &
   LLAMA_PID=$!
+  step "installing the Python OpenTelemetry SDK (reference OTLP sender for the receiver tests)"
+  bash crates/tokenscope-otlp/scripts/install-python-otel.sh > "$TOKENSCOPE_CACHE.otel.log" 2>&1 \
+    || { cat "$TOKENSCOPE_CACHE.otel.log" >&2; exit 1; }
+  export TOKENSCOPE_REQUIRE_OTEL_PY="${TOKENSCOPE_REQUIRE_OTEL_PY:-1}"
   export TOKENSCOPE_REQUIRE_ENGINE="${TOKENSCOPE_REQUIRE_ENGINE:-1}"
   export TOKENSCOPE_REQUIRE_PROMTOOL="${TOKENSCOPE_REQUIRE_PROMTOOL:-1}"
 fi

@@ -6,6 +6,8 @@
 //! * `GET /healthz` — `ok`.
 //! * `GET /api/requests?limit=N` — the last N finished records, newest first (in memory).
 //! * `GET /api/requests/{request_id}` — one recent record, 404 when not in memory.
+//! * `POST /v1/traces` — OTLP/HTTP (protobuf or JSON) receiver for engine spans; their
+//!   `gen_ai.latency.*` values are joined to the record with the same trace id.
 //! * `POST /api/flush` — write everything queued to the store now (blocks this admin call only).
 
 use crate::Shared;
@@ -25,7 +27,17 @@ struct AdminState {
 }
 
 pub(crate) fn router(shared: Arc<Shared>, pipeline: Arc<PipelineHandle>) -> Router {
+    // OTLP/HTTP receiver for engine spans (vLLM, SGLang): joined to records by trace id.
+    let sink_shared = shared.clone();
+    let otlp = tokenscope_otlp::router::<AdminState>(Arc::new(
+        move |spans: Vec<tokenscope_otlp::EngineSpan>| {
+            for s in spans {
+                sink_shared.apply_engine_update(s.update);
+            }
+        },
+    ));
     Router::new()
+        .merge(otlp)
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/api/requests", get(recent))

@@ -122,6 +122,38 @@ pub struct UpstreamConfig {
     /// per-request `metrics` object per request as well as by `--enable-per-request-metrics`.
     #[serde(default)]
     pub request_metrics: bool,
+    /// Engine metrics URL to scrape instead of `{url}/metrics`.
+    #[serde(default)]
+    pub metrics_url: Option<String>,
+    /// Scrape the engine's metrics this often (ms); 0 turns engine-state scraping off.
+    #[serde(default = "default_scrape_interval_ms")]
+    pub scrape_interval_ms: u64,
+}
+
+fn default_scrape_interval_ms() -> u64 {
+    2000
+}
+
+/// `[gpu]`: the resource layer.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GpuSection {
+    /// A DCGM exporter metrics URL (preferred when set).
+    pub dcgm_url: Option<String>,
+    /// Read NVML (loaded at run time) when no DCGM URL is set; absent library → feature off.
+    pub nvml: bool,
+    /// Read interval (ms).
+    pub interval_ms: u64,
+}
+
+impl Default for GpuSection {
+    fn default() -> Self {
+        Self {
+            dcgm_url: None,
+            nvml: true,
+            interval_ms: 2000,
+        }
+    }
 }
 
 impl UpstreamConfig {
@@ -186,6 +218,8 @@ pub struct GatewayConfig {
     pub metrics: MetricsSection,
     /// Store pipeline options.
     pub pipeline: PipelineSection,
+    /// GPU state (NVML or a DCGM exporter).
+    pub gpu: GpuSection,
     /// Upstream engines, routed by model.
     pub upstreams: Vec<UpstreamConfig>,
     /// API key → tenant / business line.
@@ -210,6 +244,7 @@ impl Default for GatewayConfig {
             recent_records: 1000,
             metrics: MetricsSection::default(),
             pipeline: PipelineSection::default(),
+            gpu: GpuSection::default(),
             upstreams: Vec::new(),
             api_keys: Vec::new(),
         }
@@ -290,6 +325,8 @@ impl GatewayConfig {
             default: true,
             kind: crate::engine::EngineKind::Auto,
             request_metrics: false,
+            metrics_url: None,
+            scrape_interval_ms: default_scrape_interval_ms(),
         }];
     }
 
@@ -381,7 +418,7 @@ const ENV_KEYS: &[&str] = &[
     "recent_records",
 ];
 /// Tables whose keys are settable as `TOKENSCOPE_<TABLE>__<KEY>`.
-const ENV_TABLES: &[&str] = &["metrics", "pipeline"];
+const ENV_TABLES: &[&str] = &["metrics", "pipeline", "gpu"];
 
 fn parse_scalar(v: &str) -> toml::Value {
     if let Ok(i) = v.parse::<i64>() {

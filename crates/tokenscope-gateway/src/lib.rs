@@ -40,7 +40,10 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokenscope_core::RequestRecord;
+use tokenscope_core::{PhaseUpdate, RequestRecord};
+use tokenscope_engine_state::{
+    EngineStateHandle, EngineTarget, GpuConfig, GpuStateHandle, KindHint, ScrapeConfig,
+};
 use tokenscope_store::{
     spawn_pipeline, DropReason, PipelineConfig, PipelineHandle, PipelineObserver, Recorder,
     ShutdownReport, SqliteStore, StoreError,
@@ -78,6 +81,8 @@ pub(crate) struct Upstream {
     name: String,
     base: Uri,
     cfg: UpstreamConfig,
+    /// The engine's state, scraped from its metrics endpoint (lock-free reads).
+    state: Option<EngineStateHandle>,
 }
 
 /// State shared by every request. Nothing in it is locked across I/O.
@@ -89,6 +94,8 @@ pub(crate) struct Shared {
     metrics: Arc<Metrics>,
     out: Arc<dyn RecordOut>,
     recent: Mutex<VecDeque<Arc<RequestRecord>>>,
+    gpu: Option<GpuStateHandle>,
+    recorder: Recorder,
 }
 
 impl Shared {
@@ -98,6 +105,24 @@ impl Shared {
             .and_then(|m| self.upstreams.iter().find(|u| u.cfg.serves(m)))
             .or_else(|| self.upstreams.iter().find(|u| u.cfg.default))
             .or_else(|| self.upstreams.first())
+    }
+
+    /// Late engine data (OTLP spans) for a record: joined in the recent-records ring and sent
+    /// to the store, which applies it to the row (now or when the row arrives).
+    fn apply_engine_update(&self, update: PhaseUpdate) {
+        {
+            let mut recent = self.recent.lock();
+            if let Some(slot) = recent
+                .iter_mut()
+                .rev()
+                .find(|r| r.trace_id == update.trace_id)
+            {
+                let mut rec = (**slot).clone();
+                apply_update(&mut rec, &update);
+                *slot = Arc::new(rec);
+            }
+        }
+        self.recorder.update(update);
     }
 
     /// Called exactly once per request by [`recording`].
@@ -111,6 +136,41 @@ impl Shared {
             recent.push_back(Arc::new(rec.clone()));
         }
         self.out.submit(rec);
+    }
+}
+
+/// Applies a [`PhaseUpdate`] to a record the way the store applies it to a row.
+pub(crate) fn apply_update(rec: &mut RequestRecord, u: &PhaseUpdate) {
+    use tokenscope_core::{PhaseSource, TokenSource};
+    for (val, dst, src) in [
+        (
+            u.queue_duration_ms,
+            &mut rec.queue_duration_ms,
+            &mut rec.queue_source,
+        ),
+        (
+            u.prefill_duration_ms,
+            &mut rec.prefill_duration_ms,
+            &mut rec.prefill_source,
+        ),
+        (
+            u.decode_duration_ms,
+            &mut rec.decode_duration_ms,
+            &mut rec.decode_source,
+        ),
+    ] {
+        if let Some(v) = val {
+            *dst = Some(v);
+            *src = PhaseSource::Engine;
+        }
+    }
+    if rec.input_tokens.is_none() && u.input_tokens.is_some() {
+        rec.input_tokens = u.input_tokens;
+        rec.input_tokens_source = TokenSource::Engine;
+    }
+    if rec.output_tokens.is_none() && u.output_tokens.is_some() {
+        rec.output_tokens = u.output_tokens;
+        rec.output_tokens_source = TokenSource::Engine;
     }
 }
 
@@ -160,7 +220,7 @@ impl Gateway {
     /// Opens the store, binds both listeners (port 0 allowed) and prepares the proxy.
     pub async fn bind(cfg: GatewayConfig) -> Result<Self, GatewayError> {
         cfg.validate()?;
-        let metrics = Arc::new(Metrics::new(MetricsConfig {
+        let mut metrics = Metrics::new(MetricsConfig {
             max_models: cfg.metrics.max_models,
             max_request_types: cfg.metrics.max_request_types,
             user_label: match cfg.metrics.user_label {
@@ -171,7 +231,60 @@ impl Gateway {
                     k: cfg.metrics.user_top_k,
                 },
             },
-        }));
+        });
+        // Engine and GPU state: background scrapers, read lock-free at request arrival.
+        let mut states = Vec::new();
+        let mut upstreams = Vec::new();
+        for u in &cfg.upstreams {
+            let base: Uri = u
+                .url
+                .parse()
+                .map_err(|e| ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)))?;
+            let state = if u.scrape_interval_ms > 0 {
+                let kind = match u.kind.name() {
+                    None => KindHint::Auto,
+                    Some(k) => k.parse::<KindHint>().unwrap_or_default(),
+                };
+                let target = EngineTarget {
+                    name: u.name.clone(),
+                    base_url: u.url.clone(),
+                    metrics_url: u.metrics_url.clone(),
+                    kind,
+                };
+                let scrape = ScrapeConfig {
+                    interval: Duration::from_millis(u.scrape_interval_ms),
+                    ..ScrapeConfig::default()
+                };
+                match EngineStateHandle::spawn(target, scrape) {
+                    Ok(h) => Some(h),
+                    Err(e) => {
+                        return Err(
+                            ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)).into()
+                        )
+                    }
+                }
+            } else {
+                None
+            };
+            states.extend(state.clone());
+            upstreams.push(Upstream {
+                name: u.name.clone(),
+                base,
+                cfg: u.clone(),
+                state,
+            });
+        }
+        let gpu = GpuStateHandle::spawn(&GpuConfig {
+            dcgm_url: cfg.gpu.dcgm_url.clone(),
+            nvml: cfg.gpu.nvml,
+            scrape: ScrapeConfig {
+                interval: Duration::from_millis(cfg.gpu.interval_ms.max(100)),
+                ..ScrapeConfig::default()
+            },
+        })
+        .map_err(|e| ConfigError::Invalid(format!("gpu: {e}")))?;
+        tokenscope_engine_state::register_metrics(metrics.registry_mut(), &states, gpu.as_ref());
+        let metrics = Arc::new(metrics);
         let store = SqliteStore::open(&cfg.store).map_err(|source| GatewayError::Store {
             path: cfg.store.clone(),
             source,
@@ -200,26 +313,16 @@ impl Gateway {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
-        let mut upstreams = Vec::new();
-        for u in &cfg.upstreams {
-            let base: Uri = u
-                .url
-                .parse()
-                .map_err(|e| ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)))?;
-            upstreams.push(Upstream {
-                name: u.name.clone(),
-                base,
-                cfg: u.clone(),
-            });
-        }
         let shared = Arc::new(Shared {
             api_keys: cfg.api_key_map(),
             cfg,
             client,
             upstreams,
             metrics,
-            out: Arc::new(recorder),
+            out: Arc::new(recorder.clone()),
             recent: Mutex::new(VecDeque::new()),
+            gpu,
+            recorder,
         });
         Ok(Self {
             shared,

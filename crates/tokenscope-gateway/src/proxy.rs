@@ -292,6 +292,16 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     if let Some(p) = guard.get() {
         p.rec.upstream.clone_from(&upstream.name);
         p.facts.kind = upstream.cfg.kind;
+        // Engine and GPU state at arrival (lock-free snapshots of the last scrape).
+        if let Some(snap) = upstream.state.as_ref().and_then(|s| s.snapshot()) {
+            p.rec.engine_running = Some(snap.running);
+            p.rec.engine_waiting = Some(snap.waiting);
+            p.rec.engine_kv_usage = snap.kv_usage;
+        }
+        if let Some(g) = shared.gpu.as_ref().and_then(|g| g.snapshot()) {
+            p.rec.gpu_utilization = g.mean_utilization;
+            p.rec.gpu_memory_bandwidth = g.mean_memory_bandwidth;
+        }
     }
     if upstream.cfg.request_metrics {
         if let Some(obj) = json.as_mut().and_then(|v| v.as_object_mut()) {

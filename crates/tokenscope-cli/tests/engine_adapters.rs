@@ -156,3 +156,93 @@ async fn tgi_headers_fill_queue_and_tokens() {
     assert_eq!(rec["output_tokens_source"], "engine");
     assert_eq!(rec["finish_reason"], "length");
 }
+
+/// vLLM / SGLang OTLP spans arriving at the admin listener after the request finished are
+/// joined to its record by trace id, in memory and in the store. The span body is OTLP/JSON
+/// (hex ids), with vLLM's attribute names and types (`vllm/tracing.py` `SpanAttributes`;
+/// seconds as doubles, token counts as ints).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_engine_spans_are_joined_by_trace_id() {
+    let fx = Fixture::start(|_| {
+        Reply::sized(
+            "application/json",
+            r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}]}"#,
+        )
+    })
+    .await;
+    let gw = GatewayProc::start(&fx.url(), &[]);
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let req = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    let tp = format!("00-{trace}-00f067aa0ba902b7-01");
+    let (status, headers, _) = post_json(
+        &gw.url("/v1/chat/completions"),
+        &req,
+        &[
+            ("traceparent", tp.as_str()),
+            ("x-request-id", "otlp-join-1"),
+        ],
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["x-tokenscope-trace-id"], trace);
+    // The engine saw the gateway's span as parent: its own span carries the same trace id.
+    let upstream_tp = fx
+        .request("otlp-join-1")
+        .header("traceparent")
+        .map(str::to_owned);
+    let parent = upstream_tp.expect("traceparent sent upstream")[36..52].to_owned();
+    let rec = gw.record("otlp-join-1").await;
+    assert_eq!(rec["queue_source"], "none");
+    assert!(rec["input_tokens"].is_null() || rec["input_tokens_source"] == "estimate");
+
+    let attr_d = |k: &str, v: f64| json!({"key": k, "value": {"doubleValue": v}});
+    let attr_i = |k: &str, v: i64| json!({"key": k, "value": {"intValue": v.to_string()}});
+    let otlp = json!({"resourceSpans": [{
+        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "vllm"}}]},
+        "scopeSpans": [{"scope": {"name": "vllm.llm_engine"}, "spans": [{
+            "traceId": trace, "spanId": "1111222233334444", "parentSpanId": parent,
+            "name": "llm_request", "kind": 2,
+            "startTimeUnixNano": "1796224255000000000", "endTimeUnixNano": "1796224256000000000",
+            "attributes": [
+                {"key": "gen_ai.request.id", "value": {"stringValue": "cmpl-1"}},
+                attr_d("gen_ai.latency.time_in_queue", 0.0125),
+                attr_d("gen_ai.latency.time_to_first_token", 0.1),
+                attr_d("gen_ai.latency.e2e", 0.75),
+                attr_d("gen_ai.latency.time_in_model_prefill", 0.0805),
+                attr_d("gen_ai.latency.time_in_model_decode", 0.6),
+                attr_d("gen_ai.latency.time_in_model_inference", 0.6805),
+                attr_i("gen_ai.usage.prompt_tokens", 17),
+                attr_i("gen_ai.usage.completion_tokens", 33)
+            ]
+        }]}]
+    }]});
+    let (status, _, body) = post_bytes(
+        &format!("http://{}/v1/traces", gw.admin),
+        otlp.to_string(),
+        &[("content-type", "application/json")],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+
+    let rec = gw.record("otlp-join-1").await;
+    assert_eq!(rec["queue_duration_ms"], 12.5);
+    assert_eq!(rec["queue_source"], "engine");
+    assert_eq!(rec["prefill_duration_ms"], 80.5);
+    assert_eq!(rec["decode_duration_ms"], 600.0);
+    assert_eq!(rec["input_tokens"], 17);
+    assert_eq!(rec["output_tokens"], 33);
+
+    let (store, _dir) = gw.stop();
+    let conn = rusqlite::Connection::open(store).expect("open store");
+    let (q, qs, p, d, i, o): (f64, String, f64, f64, i64, i64) = conn
+        .query_row(
+            "SELECT queue_duration_ms, queue_source, prefill_duration_ms, decode_duration_ms, input_tokens, output_tokens FROM llm_inference_log WHERE request_id = 'otlp-join-1'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)),
+        )
+        .expect("row");
+    assert_eq!(
+        (q, qs.as_str(), p, d, i, o),
+        (12.5, "engine", 80.5, 600.0, 17, 33)
+    );
+}

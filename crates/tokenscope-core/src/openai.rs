@@ -194,6 +194,8 @@ pub struct PayloadInfo<'a> {
     pub is_error: bool,
     /// Bytes of output text in this payload (for estimates when no usage arrives).
     pub output_bytes: usize,
+    /// The first choice's output text in this payload (content, else reasoning, else text).
+    pub text: Option<Cow<'a, str>>,
 }
 
 impl PayloadInfo<'_> {
@@ -315,9 +317,20 @@ pub fn parse_payload(data: &[u8]) -> Result<PayloadInfo<'_>, PayloadError> {
         for c in choices {
             let mut bytes = c.text.as_ref().map_or(0, |t| t.len());
             let mut tools = false;
+            let mut piece: Option<Cow<'_, str>> = None;
             for m in [c.delta.as_ref(), c.message.as_ref()].into_iter().flatten() {
                 if let Some(RawContent::Text(t)) = &m.content {
                     bytes += t.len();
+                    if !t.0.is_empty() && piece.is_none() {
+                        piece = Some(t.0.clone());
+                    }
+                }
+                if piece.is_none() {
+                    piece = m
+                        .reasoning_content
+                        .as_ref()
+                        .or(m.reasoning.as_ref())
+                        .map(|t| t.0.clone());
                 }
                 bytes += m.reasoning_content.as_ref().map_or(0, |t| t.len());
                 bytes += m.reasoning.as_ref().map_or(0, |t| t.len());
@@ -326,6 +339,9 @@ pub fn parse_payload(data: &[u8]) -> Result<PayloadInfo<'_>, PayloadError> {
             }
             info.output_bytes += bytes;
             info.has_output |= bytes > 0 || tools;
+            if info.text.is_none() {
+                info.text = piece.or_else(|| c.text.as_ref().map(|t| t.0.clone()));
+            }
             if info.finish_reason.is_none() {
                 info.finish_reason = c.finish_reason.map(|r| r.0);
             }

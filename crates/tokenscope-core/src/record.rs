@@ -335,9 +335,11 @@ pub struct PhaseUpdate {
     pub prefill_duration_ms: Option<f64>,
     /// Engine decode time, ms.
     pub decode_duration_ms: Option<f64>,
-    /// Engine-side prompt tokens (fills `input_tokens` only when the record has none).
+    /// Engine-side prompt tokens: replace `input_tokens` unless its source is `usage` or
+    /// `engine` (then source `engine`, and the input bucket follows).
     pub input_tokens: Option<u64>,
-    /// Engine-side completion tokens (fills `output_tokens` only when the record has none).
+    /// Engine-side completion tokens: replace `output_tokens` unless its source is `usage` or
+    /// `engine` (then source `engine`).
     pub output_tokens: Option<u64>,
 }
 

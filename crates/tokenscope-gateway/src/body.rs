@@ -218,6 +218,11 @@ fn on_event(p: &mut crate::recording::Pending, raw: &[u8], now: Instant, strip: 
             if info.has_output {
                 p.timer.on_token_chunk(now);
             }
+            if let (Some(buf), Some(t)) = (p.output_text.as_mut(), info.text.as_deref()) {
+                if buf.len() + t.len() <= crate::recording::MAX_OUTPUT_TEXT {
+                    buf.push_str(t);
+                }
+            }
             let f = &mut p.facts;
             f.output_bytes += info.output_bytes;
             if info.usage.is_some() {

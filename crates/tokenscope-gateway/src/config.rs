@@ -222,6 +222,11 @@ pub struct GatewayConfig {
     pub gpu: GpuSection,
     /// Upstream engines, routed by model.
     pub upstreams: Vec<UpstreamConfig>,
+    /// Per-model tokenizers for the entry count (`kind = "hf" | "tiktoken" | "engine"`).
+    pub tokenizers: Vec<tokenscope_tokenize::TokenizerConfig>,
+    /// Relative disagreement between the entry count and the engine's usage above which it is
+    /// counted in `llm_token_count_mismatch_total` (the record keeps both numbers).
+    pub token_mismatch_tolerance: f64,
     /// API key → tenant / business line.
     pub api_keys: Vec<ApiKeyConfig>,
 }
@@ -246,6 +251,8 @@ impl Default for GatewayConfig {
             pipeline: PipelineSection::default(),
             gpu: GpuSection::default(),
             upstreams: Vec::new(),
+            tokenizers: Vec::new(),
+            token_mismatch_tolerance: 0.02,
             api_keys: Vec::new(),
         }
     }
@@ -416,6 +423,7 @@ const ENV_KEYS: &[&str] = &[
     "max_response_parse_bytes",
     "max_sse_event_bytes",
     "recent_records",
+    "token_mismatch_tolerance",
 ];
 /// Tables whose keys are settable as `TOKENSCOPE_<TABLE>__<KEY>`.
 const ENV_TABLES: &[&str] = &["metrics", "pipeline", "gpu"];

@@ -96,6 +96,7 @@ pub(crate) struct Shared {
     recent: Mutex<VecDeque<Arc<RequestRecord>>>,
     gpu: Option<GpuStateHandle>,
     recorder: Recorder,
+    tokenizers: tokenscope_tokenize::Tokenizers,
 }
 
 impl Shared {
@@ -164,11 +165,14 @@ pub(crate) fn apply_update(rec: &mut RequestRecord, u: &PhaseUpdate) {
             *src = PhaseSource::Engine;
         }
     }
-    if rec.input_tokens.is_none() && u.input_tokens.is_some() {
+    // The engine's count beats the gateway's own (estimate, chunks, tokenizer), never usage.
+    let weaker = |s: TokenSource| !matches!(s, TokenSource::Usage | TokenSource::Engine);
+    if u.input_tokens.is_some() && weaker(rec.input_tokens_source) {
         rec.input_tokens = u.input_tokens;
         rec.input_tokens_source = TokenSource::Engine;
+        rec.input_bucket = rec.input_tokens.map(tokenscope_core::InputBucket::of);
     }
-    if rec.output_tokens.is_none() && u.output_tokens.is_some() {
+    if u.output_tokens.is_some() && weaker(rec.output_tokens_source) {
         rec.output_tokens = u.output_tokens;
         rec.output_tokens_source = TokenSource::Engine;
     }
@@ -313,6 +317,8 @@ impl Gateway {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(connector);
+        let tokenizers = tokenscope_tokenize::Tokenizers::new(&cfg.tokenizers)
+            .map_err(|e| ConfigError::Invalid(format!("tokenizers: {e}")))?;
         let shared = Arc::new(Shared {
             api_keys: cfg.api_key_map(),
             cfg,
@@ -323,6 +329,7 @@ impl Gateway {
             recent: Mutex::new(VecDeque::new()),
             gpu,
             recorder,
+            tokenizers,
         });
         Ok(Self {
             shared,

@@ -264,6 +264,24 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     }
     guard.start_in_flight();
 
+    // Entry count with the model's own tokenizer: runs beside forwarding, never before it.
+    if let (Some(model), Some(v)) = (info.model.as_deref(), json.as_ref()) {
+        if shared.tokenizers.has(model) {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let tokenizers = shared.tokenizers.clone();
+            let (model, body) = (model.to_owned(), v.clone());
+            tokio::spawn(async move {
+                let _ = tx.send(tokenizers.count_request(&model, endpoint, &body).await);
+            });
+            if let Some(p) = guard.get() {
+                p.entry_count = Some(rx);
+                if p.rec.stream {
+                    p.output_text = Some(String::new());
+                }
+            }
+        }
+    }
+
     // Exact streamed usage: ask the engine for it, remove it from what the client sees.
     let mut forward_body = body_bytes;
     if info.stream && !info.include_usage && shared.cfg.inject_stream_usage {

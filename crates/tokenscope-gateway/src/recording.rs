@@ -19,6 +19,13 @@ use tokenscope_core::openai::{LlamaTimings, Usage, VllmMetrics};
 use tokenscope_core::{InputBucket, Outcome, PhaseSource, RequestRecord, StreamTimer, TokenSource};
 use tokenscope_telemetry::InFlightGuard;
 
+/// The result of the entry tokenizer count, delivered by the task that computes it.
+pub(crate) type EntryCount =
+    tokio::sync::oneshot::Receiver<Option<Result<u64, tokenscope_tokenize::TokenizeError>>>;
+
+/// Largest streamed output text kept for counting a cancelled stream's tokens.
+pub(crate) const MAX_OUTPUT_TEXT: usize = 256 * 1024;
+
 /// Where finished records go (the store pipeline). Must not block.
 pub trait RecordOut: Send + Sync + 'static {
     /// Hands over one finished record.
@@ -51,6 +58,11 @@ pub(crate) struct Pending {
     pub facts: ResponseFacts,
     /// Entry-time input estimate (text length), used when the engine reports no usage.
     pub entry_input_tokens: Option<u64>,
+    /// The entry count with the model's own tokenizer, computed beside forwarding.
+    pub entry_count: Option<EntryCount>,
+    /// Streamed output text, kept (capped) only when a tokenizer can count it for a cancelled
+    /// stream.
+    pub output_text: Option<String>,
     in_flight: Option<InFlightGuard>,
 }
 
@@ -65,6 +77,8 @@ impl RecordGuard {
             timer: StreamTimer::new(arrival),
             facts: ResponseFacts::default(),
             entry_input_tokens: None,
+            entry_count: None,
+            output_text: None,
             in_flight: None,
         })))
     }
@@ -261,7 +275,85 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
 
     let shared = p.shared;
     drop(p.in_flight.take());
-    shared.finish_record(p.rec);
+    let mut rec = p.rec;
+    // Tokenizer work that may still be running: the entry count (started at arrival) and, for a
+    // cancelled stream, the count of the text streamed so far. Finishing waits for them off the
+    // request path, in a task, with a deadline; nothing here blocks.
+    let mut entry = p.entry_count;
+    if let Some(rx) = entry.as_mut() {
+        match rx.try_recv() {
+            Ok(res) => {
+                apply_entry_count(&shared, &mut rec, res);
+                entry = None;
+            }
+            Err(tokio::sync::oneshot::error::TryRecvError::Closed) => entry = None,
+            Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
+        }
+    }
+    let count_output = (rec.outcome == Outcome::Cancelled
+        && rec.output_tokens_source == TokenSource::Chunks)
+        .then_some(p.output_text)
+        .flatten()
+        .filter(|t| !t.is_empty() && shared.tokenizers.has(&rec.model));
+    if entry.is_none() && count_output.is_none() {
+        shared.finish_record(rec);
+        return;
+    }
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        shared.finish_record(rec);
+        return;
+    };
+    rt.spawn(async move {
+        let deadline = std::time::Duration::from_secs(5);
+        if let Some(rx) = entry {
+            if let Ok(Ok(res)) = tokio::time::timeout(deadline, rx).await {
+                apply_entry_count(&shared, &mut rec, res);
+            }
+        }
+        if let Some(text) = count_output {
+            let counted =
+                tokio::time::timeout(deadline, shared.tokenizers.count_text(&rec.model, &text))
+                    .await;
+            if let Ok(Some(Ok(n))) = counted {
+                rec.output_tokens = Some(n);
+                rec.output_tokens_source = TokenSource::Tokenizer;
+            }
+        }
+        shared.finish_record(rec);
+    });
+}
+
+/// Puts the entry tokenizer count on the record: kept as `input_tokens_entry`; it becomes the
+/// input count when the engine gave none; a disagreement with the engine's count beyond the
+/// tolerance is counted in `llm_token_count_mismatch_total`.
+fn apply_entry_count(
+    shared: &crate::Shared,
+    rec: &mut RequestRecord,
+    res: Option<Result<u64, tokenscope_tokenize::TokenizeError>>,
+) {
+    let n = match res {
+        Some(Ok(n)) => n,
+        Some(Err(e)) => {
+            tracing::debug!(model = %rec.model, error = %e, "Entry token count failed.");
+            return;
+        }
+        None => return,
+    };
+    rec.input_tokens_entry = Some(n);
+    match rec.input_tokens_source {
+        TokenSource::Usage | TokenSource::Engine => {
+            let engine = rec.input_tokens.unwrap_or(0) as f64;
+            let diff = (engine - n as f64).abs();
+            if diff > shared.cfg.token_mismatch_tolerance * engine.max(1.0) {
+                shared.metrics.token_count_mismatch(&rec.model);
+            }
+        }
+        _ => {
+            rec.input_tokens = Some(n);
+            rec.input_tokens_source = TokenSource::Tokenizer;
+            rec.input_bucket = Some(InputBucket::of(n));
+        }
+    }
 }
 
 #[cfg(test)]

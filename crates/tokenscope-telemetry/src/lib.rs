@@ -130,6 +130,7 @@ pub struct Metrics {
     store_write_errors: Counter,
     gateway_overhead: Histogram,
     upstream_bytes: Counter<u64, AtomicU64>,
+    token_mismatch: Family<ModelLabels, Counter>,
 }
 
 impl Metrics {
@@ -189,6 +190,12 @@ impl Metrics {
             0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05,
         ]);
         let upstream_bytes = Counter::<u64, AtomicU64>::default();
+        let token_mismatch = Family::<ModelLabels, Counter>::default();
+        registry.register(
+            "llm_token_count_mismatch",
+            "Requests whose entry tokenizer count disagreed with the engine's usage beyond the tolerance",
+            token_mismatch.clone(),
+        );
         registry.register(
             "tokenscope_records_enqueued",
             "Records handed to the store pipeline",
@@ -255,6 +262,7 @@ impl Metrics {
             store_write_errors,
             gateway_overhead,
             upstream_bytes,
+            token_mismatch,
         }
     }
 
@@ -327,6 +335,15 @@ impl Metrics {
         if let Some(o) = rec.gateway_overhead_ms {
             self.gateway_overhead.observe(o / 1000.0);
         }
+    }
+
+    /// The entry tokenizer count of a request disagreed with the engine's usage.
+    pub fn token_count_mismatch(&self, model: &str) {
+        self.token_mismatch
+            .get_or_create(&ModelLabels {
+                model: self.models.label(model),
+            })
+            .inc();
     }
 
     /// Adds forwarded response bytes.

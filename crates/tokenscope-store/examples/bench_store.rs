@@ -8,7 +8,11 @@
 //! Options: `--rows N` (default 1 000 000), `--batch N` (insert batch size, default 1024),
 //! `--days N` (time span of the synthetic data, default 7), `--db PATH` (keep the database
 //! there instead of a temp dir), `--pipeline-rows N` (records pushed through
-//! `spawn_pipeline`, default 200 000, 0 to skip), `--repeat N` (runs per report, default 3).
+//! `spawn_pipeline`, default 200 000, 0 to skip), `--repeat N` (runs per report, default 3),
+//! `--reuse` (with `--db`: keep the existing database and only run the reports; `--rows` must
+//! match how it was filled), `--drop-index NAME` (repeatable: drop that index right after
+//! opening, to measure what it costs on insert), `--update-every N` (after the inserts, one
+//! late engine update per N rows through `apply_updates`, default 10, 0 to skip).
 //!
 //! The data is deterministic (fixed-seed xorshift): 5 models with skewed popularity, 500
 //! users (skewed), 8 tenants, 5 business lines, 75 % streamed, ~5 % errors, input lengths
@@ -19,7 +23,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tokenscope_core::{Endpoint, InputBucket, Outcome, PhaseSource, RequestRecord, TokenSource};
+use tokenscope_core::{
+    Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
+};
 use tokenscope_store::{
     run_report, spawn_pipeline, Dimension, NoopObserver, PipelineConfig, ReportQuery, SqliteStore,
 };
@@ -31,6 +37,9 @@ struct Args {
     db: Option<String>,
     pipeline_rows: u64,
     repeat: usize,
+    reuse: bool,
+    drop_index: Vec<String>,
+    update_every: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -41,6 +50,9 @@ fn parse_args() -> Result<Args, String> {
         db: None,
         pipeline_rows: 200_000,
         repeat: 3,
+        reuse: false,
+        drop_index: Vec::new(),
+        update_every: 10,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -57,10 +69,14 @@ fn parse_args() -> Result<Args, String> {
             "--db" => a.db = Some(val()?),
             "--pipeline-rows" => a.pipeline_rows = num(val()?)?,
             "--repeat" => a.repeat = num(val()?)?.max(1) as usize,
+            "--reuse" => a.reuse = true,
+            "--update-every" => a.update_every = num(val()?)?,
+            "--drop-index" => a.drop_index.push(val()?),
             "-h" | "--help" => {
                 return Err(
                     "usage: bench_store [--rows N] [--batch N] [--days N] [--db PATH] \
-                            [--pipeline-rows N] [--repeat N]"
+                            [--pipeline-rows N] [--repeat N] [--reuse] [--drop-index NAME]… \
+                            [--update-every N]"
                         .to_owned(),
                 )
             }
@@ -102,6 +118,7 @@ const MODELS: [&str; 5] = [
     "gpt-oss-20b",
 ];
 const UPSTREAMS: [&str; 3] = ["vllm-a", "vllm-b", "llamacpp-1"];
+const ENGINES: [&str; 3] = ["vllm", "vllm", "llamacpp"];
 const BUSINESS: [&str; 5] = ["search", "support", "coding", "marketing", "internal"];
 
 struct Gen {
@@ -213,6 +230,14 @@ impl Gen {
             prompt_text: None,
             draft_tokens: None,
             draft_accepted_tokens: None,
+            engine: Some(ENGINES[(i % 3) as usize].to_owned()),
+            input_tokens_entry: Some(input),
+            engine_running: Some(r.below(64) as f64),
+            engine_waiting: Some(r.below(16) as f64),
+            // KV usage skewed high: all four bands populated.
+            engine_kv_usage: Some(1.0 - r.f() * r.f()),
+            gpu_utilization: Some(0.5 + r.f() * 0.5),
+            gpu_memory_bandwidth: Some(0.3 + r.f() * 0.6),
         }
     }
 }
@@ -242,6 +267,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args()?;
     let tmp = tempfile::tempdir()?;
     let path = match &args.db {
+        Some(p) if args.reuse => std::path::PathBuf::from(p),
         Some(p) => {
             let _ = std::fs::remove_file(p);
             let _ = std::fs::remove_file(format!("{p}-wal"));
@@ -261,6 +287,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         path.display()
     );
     let mut store = SqliteStore::open(&path)?;
+    for ix in &args.drop_index {
+        store
+            .conn()
+            .execute_batch(&format!("DROP INDEX IF EXISTS {ix}"))?;
+        println!("dropped index {ix}");
+    }
+    if args.reuse {
+        // Reports only, over the existing rows: the range must cover them.
+        let (lo, hi): (i64, i64) = store.conn().query_row(
+            "SELECT MIN(created_at), MAX(created_at) FROM llm_inference_log",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )?;
+        drop(store);
+        return reports(&args, &path, lo, hi + 1);
+    }
     let mut gen = Gen::new(args.rows, args.days, end_us);
     let mut batch = Vec::with_capacity(args.batch);
     let mut insert_time = Duration::ZERO;
@@ -275,6 +317,41 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         inserted += store.insert_batch(&batch)? as u64;
         insert_time += t.elapsed();
     }
+    // ---- late engine updates ----------------------------------------------------------------
+    // One update per `--update-every` rows, by trace id, in batches of `--batch`
+    // (regenerated: same seed).
+    let mut gen = Gen::new(args.rows, args.days, end_us);
+    if args.update_every == 0 {
+        gen.i = args.rows;
+    }
+    let mut ups: Vec<PhaseUpdate> = Vec::new();
+    let mut update_time = Duration::ZERO;
+    let mut updated = 0u64;
+    while gen.i < args.rows {
+        let rec = gen.record();
+        if gen.i.is_multiple_of(args.update_every) {
+            ups.push(PhaseUpdate {
+                trace_id: rec.trace_id,
+                queue_duration_ms: rec.queue_duration_ms.map(|q| q * 1.1),
+                prefill_duration_ms: rec.prefill_duration_ms,
+                decode_duration_ms: rec.decode_duration_ms,
+                input_tokens: rec.input_tokens,
+                output_tokens: Some(42),
+            });
+        }
+        if ups.len() >= args.batch || (gen.i == args.rows && !ups.is_empty()) {
+            let t = Instant::now();
+            updated += store.apply_updates(&ups)? as u64;
+            update_time += t.elapsed();
+            ups.clear();
+        }
+    }
+    println!(
+        "applied {updated} engine updates by trace id: {:.2} s in apply_updates → {} updates/s; {} left pending",
+        update_time.as_secs_f64(),
+        fmt_rate(updated, update_time),
+        store.pending_updates()
+    );
     drop(store);
     let db_bytes = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0)
         + std::fs::metadata(format!("{}-wal", path.display()))
@@ -288,11 +365,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         db_bytes as f64 / (1024.0 * 1024.0)
     );
 
-    // ---- reports -----------------------------------------------------------------------------
-    let reader = SqliteStore::open_read_only(&path)?;
     let since_us = end_us - (args.days as i64 + 1) * 86_400_000_000;
+    reports(&args, &path, since_us, end_us + 1)?;
+    pipeline(&args, tmp.path(), end_us)
+}
+
+/// Runs each report case `--repeat` times over `[since_us, until_us)`.
+fn reports(
+    args: &Args,
+    path: &std::path::Path,
+    since_us: i64,
+    until_us: i64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let reader = SqliteStore::open_read_only(path)?;
     let day = Duration::from_secs(86_400);
-    let cases: [(&str, Vec<Dimension>, Option<Duration>); 3] = [
+    let cases: [(&str, Vec<Dimension>, Option<Duration>); 4] = [
         ("(a) group by model", vec![Dimension::Model], None),
         (
             "(b) group by model,input_bucket, interval 1d",
@@ -300,6 +387,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             Some(day),
         ),
         ("(c) group by user", vec![Dimension::User], None),
+        (
+            "(d) group by engine,kv_band",
+            vec![Dimension::Engine, Dimension::KvUsageBand],
+            None,
+        ),
     ];
     println!(
         "== reports over all {} rows ({} runs each)",
@@ -308,7 +400,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for (name, group_by, interval) in cases {
         let q = ReportQuery {
             since_us,
-            until_us: Some(end_us + 1),
+            until_us: Some(until_us),
             group_by,
             interval,
             filters: vec![],
@@ -331,11 +423,17 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             times[times.len() - 1].as_secs_f64()
         );
     }
-    drop(reader);
+    Ok(())
+}
 
-    // ---- pipeline ----------------------------------------------------------------------------
+/// Pushes `--pipeline-rows` records (and engine updates) through `spawn_pipeline`.
+fn pipeline(
+    args: &Args,
+    dir: &std::path::Path,
+    end_us: i64,
+) -> Result<(), Box<dyn std::error::Error>> {
     if args.pipeline_rows > 0 {
-        let ppath = tmp.path().join("pipeline.db");
+        let ppath = dir.join("pipeline.db");
         let sink = SqliteStore::open(&ppath)?;
         let cfg = PipelineConfig::default();
         let cap = cfg.capacity as u64;
@@ -350,9 +448,26 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 std::thread::sleep(Duration::from_micros(200));
             }
             let rec = gen.record();
+            // Every 5th request gets a late engine span; every 50th one arrives before its
+            // record (parked, applied on insert).
+            let update = gen.i.is_multiple_of(5).then(|| PhaseUpdate {
+                trace_id: rec.trace_id.clone(),
+                queue_duration_ms: Some(1.0),
+                prefill_duration_ms: Some(2.0),
+                decode_duration_ms: Some(3.0),
+                input_tokens: None,
+                output_tokens: None,
+            });
+            let early = gen.i.is_multiple_of(50);
+            if let (Some(u), true) = (&update, early) {
+                recorder.update(u.clone());
+            }
             let t = Instant::now();
             recorder.record(rec);
             lat_ns.push(t.elapsed().as_nanos() as u64);
+            if let (Some(u), false) = (update, early) {
+                recorder.update(u);
+            }
         }
         let report = handle.shutdown(Duration::from_secs(120));
         let elapsed = wall.elapsed();
@@ -360,11 +475,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let pct =
             |q: f64| lat_ns[((q * lat_ns.len() as f64).ceil() as usize).clamp(1, lat_ns.len()) - 1];
         println!(
-            "== pipeline: {} records through Recorder::record → SqliteStore: written {}, dropped {}, lost {}; {} rows/s end to end; record() p50 {} ns, p99 {} ns, max {} ns",
+            "== pipeline: {} records (+ {} engine updates) through Recorder → SqliteStore: written {}, dropped {}, lost {}, updates unmatched {}; {} rows/s end to end; record() p50 {} ns, p99 {} ns, max {} ns",
             args.pipeline_rows,
+            recorder.updates_queued(),
             report.written,
             report.dropped,
             report.lost,
+            recorder.updates_unmatched(),
             fmt_rate(report.written, elapsed),
             pct(0.5),
             pct(0.99),

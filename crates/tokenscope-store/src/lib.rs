@@ -8,9 +8,14 @@
 //! * [`pipeline`] — the hot-path/sink boundary: a bounded queue that the request path feeds
 //!   without ever waiting ([`Recorder::record`]), and a dedicated writer thread that batches
 //!   rows into a [`RecordSink`] with retries. Every record is either written, or counted as
-//!   dropped / lost.
+//!   dropped / lost. Late engine values ([`PhaseUpdate`](tokenscope_core::PhaseUpdate), joined
+//!   by trace id) take the same queue ([`Recorder::update`]) and are applied after the
+//!   batch's inserts.
+//! * [`pending`] — engine updates that arrived before their row, kept (bounded, with a TTL)
+//!   until the row is inserted.
 //! * [`report`] — grouped reports with **exact** nearest-rank percentiles (TTFT, TPOT,
-//!   end-to-end), success rate, QPS and token sums, rendered as a table, JSON or CSV.
+//!   end-to-end, engine queue / prefill / decode), the queue share of TTFT, success rate, QPS
+//!   and token sums, rendered as a table, JSON or CSV.
 //!
 //! Invariants:
 //! * The request path never performs I/O, never blocks and never awaits on the store: it only
@@ -22,11 +27,13 @@
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod pending;
 pub mod pipeline;
 pub mod report;
 pub mod sqlite;
 
 pub use error::StoreError;
+pub use pending::{PendingUpdates, UnmatchedCounts, UnmatchedReason};
 pub use pipeline::{
     spawn_pipeline, DropReason, NoopObserver, PipelineConfig, PipelineHandle, PipelineObserver,
     RecordSink, Recorder, ShutdownReport,

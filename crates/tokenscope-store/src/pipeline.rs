@@ -29,6 +29,28 @@
 //!   failure.
 //! * [`PipelineHandle::shutdown`] stops intake (later `record` calls count as
 //!   [`DropReason::Closed`]), writes everything already queued, then joins the thread.
+//!
+//! ## Late engine data
+//!
+//! [`Recorder::update`] hands a [`PhaseUpdate`] (engine phases joined by trace id, from an
+//! OTLP span that arrives after the record) to the writer through the **same** bounded queue,
+//! with the same guarantees: never blocks, and a full or closed queue drops it through the
+//! same accounting as a record ([`PipelineObserver::on_dropped`], [`Recorder::dropped`],
+//! [`ShutdownReport::dropped`] count records and updates together). Accepted updates are
+//! counted apart ([`Recorder::updates_queued`]) so that [`Recorder::pending`] stays a count
+//! of records.
+//! * Ordering: a flush writes the batch's records first, then applies its updates
+//!   ([`RecordSink::apply_updates`]); so an update and its record in the same batch always
+//!   meet. An update whose record is not stored yet is the sink's to keep (the SQLite sink
+//!   parks it in a bounded, TTL-limited map and applies it when the row arrives; see
+//!   [`crate::pending`]).
+//! * The batch size bounds records + updates together; a failed `apply_updates` is retried
+//!   like a batch (updates are idempotent), and on final failure its updates are counted
+//!   as unmatched ([`UnmatchedReason::WriteFailed`]).
+//! * Updates the sink gives up on (overflow, expiry, still parked at shutdown) are collected
+//!   after every flush, every [`HOUSEKEEPING_INTERVAL`] and at shutdown through
+//!   [`RecordSink::take_unmatched`], and reported via
+//!   [`PipelineObserver::on_update_unmatched`] and [`Recorder::updates_unmatched`].
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -37,8 +59,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tokenscope_core::RequestRecord;
+use tokenscope_core::{PhaseUpdate, RequestRecord};
 
+use crate::pending::{UnmatchedCounts, UnmatchedReason};
 use crate::{SqliteStore, StoreError};
 
 /// Where batches of records end up. Implementations run on the writer thread only.
@@ -46,6 +69,19 @@ pub trait RecordSink: Send + 'static {
     /// Writes one batch. Must be idempotent per `request_id`: a batch may be retried after
     /// an error.
     fn write_batch(&mut self, batch: &[RequestRecord]) -> Result<(), StoreError>;
+    /// Applies late engine values to already written records, joined by trace id (see
+    /// [`PhaseUpdate`]). Called after the same flush's `write_batch`. Must be idempotent (it
+    /// may be retried). An update whose record is not written yet should be kept and applied
+    /// when it is; what the sink gives up on is reported by
+    /// [`take_unmatched`](RecordSink::take_unmatched). The default ignores updates.
+    fn apply_updates(&mut self, _updates: &[PhaseUpdate]) -> Result<(), StoreError> {
+        Ok(())
+    }
+    /// Updates given up on since the last call (overflow, expiry; with `shutting_down`, every
+    /// update still kept, which the sink then forgets). Default: none.
+    fn take_unmatched(&mut self, _shutting_down: bool) -> UnmatchedCounts {
+        UnmatchedCounts::default()
+    }
     /// Short name for logs and errors.
     fn name(&self) -> &'static str;
 }
@@ -53,6 +89,14 @@ pub trait RecordSink: Send + 'static {
 impl RecordSink for SqliteStore {
     fn write_batch(&mut self, batch: &[RequestRecord]) -> Result<(), StoreError> {
         self.insert_batch(batch).map(|_| ())
+    }
+
+    fn apply_updates(&mut self, updates: &[PhaseUpdate]) -> Result<(), StoreError> {
+        SqliteStore::apply_updates(self, updates).map(|_| ())
+    }
+
+    fn take_unmatched(&mut self, shutting_down: bool) -> UnmatchedCounts {
+        SqliteStore::take_unmatched(self, shutting_down)
     }
 
     fn name(&self) -> &'static str {
@@ -84,12 +128,16 @@ impl DropReason {
 pub trait PipelineObserver: Send + Sync + 'static {
     /// A record was accepted into the queue.
     fn on_enqueued(&self) {}
-    /// A record was dropped before reaching the writer.
+    /// A record or an update was dropped before reaching the writer.
     fn on_dropped(&self, _reason: DropReason) {}
     /// A batch of `rows` was written; `latency` is the successful `write_batch` call's duration.
     fn on_written(&self, _rows: usize, _latency: Duration) {}
     /// A batch of `rows` failed for good (after all retries): those rows are lost.
     fn on_write_error(&self, _rows: usize, _err: &StoreError) {}
+    /// `updates` engine updates will never be applied, for `reason` (their record never
+    /// arrived in time, the pending map overflowed, the store shut down, or the sink kept
+    /// failing). Runs on the writer thread.
+    fn on_update_unmatched(&self, _reason: UnmatchedReason, _updates: u64) {}
 }
 
 /// A [`PipelineObserver`] that observes nothing.
@@ -122,11 +170,15 @@ impl Default for PipelineConfig {
     }
 }
 
+/// How often an idle writer asks the sink for updates it gave up on (expiry is lazy).
+pub const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(5);
+
 const BACKOFF_BASE: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
 
 enum Msg {
     Record(Box<RequestRecord>),
+    Update(Box<PhaseUpdate>),
     Flush(SyncSender<()>),
     Shutdown(Instant),
 }
@@ -141,6 +193,8 @@ struct Shared {
     dropped: AtomicU64,
     written: AtomicU64,
     lost: AtomicU64,
+    updates_enqueued: AtomicU64,
+    updates_unmatched: AtomicU64,
     warned_drop: AtomicBool,
 }
 
@@ -151,7 +205,8 @@ impl Shared {
         if !self.warned_drop.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 reason = reason.as_str(),
-                "tokenscope record pipeline dropped a record (further drops are only counted)"
+                "tokenscope record pipeline dropped a record or update (further drops are only \
+                 counted)"
             );
         }
     }
@@ -179,25 +234,57 @@ impl Recorder {
     /// Hands a record to the writer. Never blocks, never awaits: when the queue is full or
     /// the pipeline is closed the record is dropped and counted.
     pub fn record(&self, rec: RequestRecord) {
+        if self.send(Msg::Record(Box::new(rec))) {
+            self.shared.enqueued.fetch_add(1, Ordering::Relaxed);
+            self.shared.obs.on_enqueued();
+        }
+    }
+
+    /// Hands late engine values for an already recorded (or still in-flight) request to the
+    /// writer, through the same bounded queue as records. Never blocks, never awaits: when
+    /// the queue is full or the pipeline is closed the update is dropped and counted like a
+    /// record ([`Recorder::dropped`], [`PipelineObserver::on_dropped`]).
+    pub fn update(&self, update: PhaseUpdate) {
+        if self.send(Msg::Update(Box::new(update))) {
+            self.shared.updates_enqueued.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// `try_send` with the shutdown handshake; `false` (and a counted drop) when not queued.
+    fn send(&self, msg: Msg) -> bool {
         let s = &*self.shared;
         // SeqCst pairs with the writer's `closing` store + `in_flight` load at shutdown: a
-        // record either sees `closing` (counted drop) or is waited for and drained.
+        // message either sees `closing` (counted drop) or is waited for and drained.
         s.in_flight.fetch_add(1, Ordering::SeqCst);
         if s.closing.load(Ordering::SeqCst) {
             s.in_flight.fetch_sub(1, Ordering::SeqCst);
             s.drop_one(DropReason::Closed);
-            return;
+            return false;
         }
-        let res = self.tx.try_send(Msg::Record(Box::new(rec)));
+        let res = self.tx.try_send(msg);
         s.in_flight.fetch_sub(1, Ordering::SeqCst);
         match res {
-            Ok(()) => {
-                s.enqueued.fetch_add(1, Ordering::Relaxed);
-                s.obs.on_enqueued();
+            Ok(()) => true,
+            Err(TrySendError::Full(_)) => {
+                s.drop_one(DropReason::QueueFull);
+                false
             }
-            Err(TrySendError::Full(_)) => s.drop_one(DropReason::QueueFull),
-            Err(TrySendError::Disconnected(_)) => s.drop_one(DropReason::Closed),
+            Err(TrySendError::Disconnected(_)) => {
+                s.drop_one(DropReason::Closed);
+                false
+            }
         }
+    }
+
+    /// Engine updates accepted into the queue so far (monotonic).
+    pub fn updates_queued(&self) -> u64 {
+        self.shared.updates_enqueued.load(Ordering::Relaxed)
+    }
+
+    /// Engine updates that will never be applied (monotonic; see
+    /// [`PipelineObserver::on_update_unmatched`]).
+    pub fn updates_unmatched(&self) -> u64 {
+        self.shared.updates_unmatched.load(Ordering::Relaxed)
     }
 
     /// Records accepted into the queue so far (monotonic).
@@ -205,7 +292,7 @@ impl Recorder {
         self.shared.enqueued.load(Ordering::Relaxed)
     }
 
-    /// Records dropped before the queue so far (monotonic).
+    /// Records and updates dropped before the queue so far (monotonic).
     pub fn dropped(&self) -> u64 {
         self.shared.dropped.load(Ordering::Relaxed)
     }
@@ -249,7 +336,7 @@ pub struct ShutdownReport {
     pub enqueued: u64,
     /// Records written over the pipeline's life.
     pub written: u64,
-    /// Records dropped before the queue over the pipeline's life.
+    /// Records and updates dropped before the queue over the pipeline's life.
     pub dropped: u64,
     /// Records lost to failed batches over the pipeline's life.
     pub lost: u64,
@@ -368,12 +455,15 @@ pub fn spawn_pipeline(
         dropped: AtomicU64::new(0),
         written: AtomicU64::new(0),
         lost: AtomicU64::new(0),
+        updates_enqueued: AtomicU64::new(0),
+        updates_unmatched: AtomicU64::new(0),
         warned_drop: AtomicBool::new(false),
     });
     let mut writer = Writer {
         rx,
         sink,
         batch: Vec::with_capacity(cfg.batch_size.max(1)),
+        updates: Vec::new(),
         cfg: PipelineConfig {
             batch_size: cfg.batch_size.max(1),
             ..cfg
@@ -406,6 +496,8 @@ struct Writer {
     rx: Receiver<Msg>,
     sink: Box<dyn RecordSink>,
     batch: Vec<RequestRecord>,
+    /// Updates of the current flush, applied after `batch`.
+    updates: Vec<PhaseUpdate>,
     cfg: PipelineConfig,
     shared: Arc<Shared>,
     /// Shutdown deadline, once shutdown began: no more backoff sleeps past it.
@@ -415,20 +507,29 @@ struct Writer {
 impl Writer {
     fn run(&mut self) {
         let mut flush_at: Option<Instant> = None;
+        let mut housekeeping_at = Instant::now() + HOUSEKEEPING_INTERVAL;
         loop {
-            let msg = match flush_at {
-                None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
-                Some(at) => self
-                    .rx
-                    .recv_timeout(at.saturating_duration_since(Instant::now())),
-            };
+            let wake = flush_at.map_or(housekeeping_at, |f| f.min(housekeeping_at));
+            let msg = self
+                .rx
+                .recv_timeout(wake.saturating_duration_since(Instant::now()));
             match msg {
                 Ok(Msg::Record(rec)) => {
-                    if self.batch.is_empty() {
+                    if self.is_empty() {
                         flush_at = Some(Instant::now() + self.cfg.flush_interval);
                     }
                     self.batch.push(*rec);
-                    if self.batch.len() >= self.cfg.batch_size {
+                    if self.is_full() {
+                        self.write();
+                        flush_at = None;
+                    }
+                }
+                Ok(Msg::Update(up)) => {
+                    if self.is_empty() {
+                        flush_at = Some(Instant::now() + self.cfg.flush_interval);
+                    }
+                    self.updates.push(*up);
+                    if self.is_full() {
                         self.write();
                         flush_at = None;
                     }
@@ -445,19 +546,35 @@ impl Writer {
                     return;
                 }
                 Err(RecvTimeoutError::Timeout) => {
-                    self.write();
-                    flush_at = None;
+                    let now = Instant::now();
+                    if flush_at.is_some_and(|f| now >= f) {
+                        self.write();
+                        flush_at = None;
+                    }
+                    if now >= housekeeping_at {
+                        self.collect_unmatched(false);
+                        housekeeping_at = now + HOUSEKEEPING_INTERVAL;
+                    }
                 }
                 Err(RecvTimeoutError::Disconnected) => {
                     self.write();
+                    self.collect_unmatched(true);
                     return;
                 }
             }
         }
     }
 
-    /// Shutdown: intake is closed; wait for `record` calls racing the close, then write
-    /// everything still queued.
+    fn is_empty(&self) -> bool {
+        self.batch.is_empty() && self.updates.is_empty()
+    }
+
+    fn is_full(&self) -> bool {
+        self.batch.len() + self.updates.len() >= self.cfg.batch_size
+    }
+
+    /// Shutdown: intake is closed; wait for `record` / `update` calls racing the close, then
+    /// write everything still queued, then report the updates the sink still kept.
     fn drain_for_shutdown(&mut self) {
         let s = Arc::clone(&self.shared);
         s.closing.store(true, Ordering::SeqCst);
@@ -468,7 +585,13 @@ impl Writer {
             match self.rx.try_recv() {
                 Ok(Msg::Record(rec)) => {
                     self.batch.push(*rec);
-                    if self.batch.len() >= self.cfg.batch_size {
+                    if self.is_full() {
+                        self.write();
+                    }
+                }
+                Ok(Msg::Update(up)) => {
+                    self.updates.push(*up);
+                    if self.is_full() {
                         self.write();
                     }
                 }
@@ -481,27 +604,61 @@ impl Writer {
             }
         }
         self.write();
+        self.collect_unmatched(true);
     }
 
-    /// Writes the current batch with retries; on final failure counts its rows as lost.
+    /// Writes the current batch's records, then applies its updates, each with retries; on
+    /// final failure counts the records as lost and the updates as unmatched.
     fn write(&mut self) {
-        if self.batch.is_empty() {
-            return;
+        if !self.batch.is_empty() {
+            let rows = self.batch.len();
+            let batch = std::mem::take(&mut self.batch);
+            let res = self.with_retries("batch write", rows, |sink| sink.write_batch(&batch));
+            self.batch = batch;
+            self.batch.clear();
+            match res {
+                Ok(latency) => {
+                    self.shared.written.fetch_add(rows as u64, Ordering::SeqCst);
+                    self.shared.obs.on_written(rows, latency);
+                }
+                Err(err) => {
+                    self.shared.lost.fetch_add(rows as u64, Ordering::SeqCst);
+                    self.shared.obs.on_write_error(rows, &err);
+                }
+            }
         }
-        let rows = self.batch.len();
+        if !self.updates.is_empty() {
+            let n = self.updates.len();
+            let updates = std::mem::take(&mut self.updates);
+            let res = self.with_retries("update", n, |sink| sink.apply_updates(&updates));
+            self.updates = updates;
+            self.updates.clear();
+            if res.is_err() {
+                self.unmatched(UnmatchedReason::WriteFailed, n as u64);
+            }
+        }
+        self.collect_unmatched(false);
+    }
+
+    /// Runs `op` on the sink until it succeeds (returning its duration) or has failed
+    /// `1 + retry_attempts` times, with exponential backoff; a panic counts as a failure.
+    fn with_retries(
+        &mut self,
+        what: &'static str,
+        items: usize,
+        mut op: impl FnMut(&mut dyn RecordSink) -> Result<(), StoreError>,
+    ) -> Result<Duration, StoreError> {
         let name = self.sink.name();
         let mut attempt: u32 = 0;
         loop {
             let start = Instant::now();
-            let res = catch_unwind(AssertUnwindSafe(|| self.sink.write_batch(&self.batch)))
+            let res = catch_unwind(AssertUnwindSafe(|| op(self.sink.as_mut())))
                 .unwrap_or(Err(StoreError::SinkPanicked(name)));
             match res {
                 Ok(()) => {
                     let latency = start.elapsed();
-                    self.shared.written.fetch_add(rows as u64, Ordering::SeqCst);
-                    self.shared.obs.on_written(rows, latency);
-                    tracing::trace!(sink = name, rows, ?latency, "batch written");
-                    break;
+                    tracing::trace!(sink = name, what, items, ?latency, "sink call succeeded");
+                    return Ok(latency);
                 }
                 Err(err) => {
                     let backoff = BACKOFF_BASE
@@ -510,31 +667,50 @@ impl Writer {
                     let past_deadline =
                         self.deadline.is_some_and(|d| Instant::now() + backoff >= d);
                     if attempt >= self.cfg.retry_attempts || past_deadline {
-                        self.shared.lost.fetch_add(rows as u64, Ordering::SeqCst);
-                        self.shared.obs.on_write_error(rows, &err);
                         tracing::error!(
                             sink = name,
-                            rows,
+                            what,
+                            items,
                             attempts = attempt + 1,
                             error = %err,
-                            "tokenscope batch write failed for good; rows lost"
+                            "tokenscope sink call failed for good; items lost"
                         );
-                        break;
+                        return Err(err);
                     }
                     tracing::warn!(
                         sink = name,
-                        rows,
+                        what,
+                        items,
                         attempt = attempt + 1,
                         error = %err,
                         ?backoff,
-                        "tokenscope batch write failed; retrying"
+                        "tokenscope sink call failed; retrying"
                     );
                     std::thread::sleep(backoff);
                     attempt += 1;
                 }
             }
         }
-        self.batch.clear();
+    }
+
+    /// Asks the sink for updates it gave up on and reports them.
+    fn collect_unmatched(&mut self, shutting_down: bool) {
+        let sink = &mut self.sink;
+        let counts = catch_unwind(AssertUnwindSafe(|| sink.take_unmatched(shutting_down)))
+            .unwrap_or_default();
+        for (reason, n) in counts.nonzero() {
+            self.unmatched(reason, n);
+        }
+    }
+
+    fn unmatched(&self, reason: UnmatchedReason, n: u64) {
+        self.shared.updates_unmatched.fetch_add(n, Ordering::SeqCst);
+        self.shared.obs.on_update_unmatched(reason, n);
+        tracing::debug!(
+            reason = reason.as_str(),
+            updates = n,
+            "tokenscope engine updates left unapplied"
+        );
     }
 }
 
@@ -555,6 +731,7 @@ mod tests {
         dropped_closed: AtomicU64,
         written: AtomicU64,
         errors: AtomicU64,
+        unmatched: Mutex<Vec<(UnmatchedReason, u64)>>,
     }
 
     impl PipelineObserver for CountingObserver {
@@ -573,6 +750,12 @@ mod tests {
         fn on_write_error(&self, rows: usize, _err: &StoreError) {
             self.errors.fetch_add(rows as u64, Ordering::SeqCst);
         }
+        fn on_update_unmatched(&self, reason: UnmatchedReason, updates: u64) {
+            self.unmatched
+                .lock()
+                .expect("unmatched")
+                .push((reason, updates));
+        }
     }
 
     /// Collects every written id; can be blocked by the test.
@@ -584,6 +767,11 @@ mod tests {
         /// Fail this many calls before succeeding.
         fail_first: Arc<AtomicU64>,
         calls: Arc<AtomicU64>,
+        /// `w<n>` per write_batch, `u<n>` per apply_updates, in call order.
+        events: Arc<Mutex<Vec<String>>>,
+        /// Fail this many apply_updates calls before succeeding.
+        fail_updates: Arc<AtomicU64>,
+        updates: Arc<Mutex<Vec<PhaseUpdate>>>,
     }
 
     impl MemSink {
@@ -620,14 +808,47 @@ mod tests {
                 });
             }
             self.batches.lock().expect("batches").push(batch.len());
+            self.events
+                .lock()
+                .expect("events")
+                .push(format!("w{}", batch.len()));
             self.rows
                 .lock()
                 .expect("rows")
                 .extend(batch.iter().map(|r| r.request_id.clone()));
             Ok(())
         }
+        fn apply_updates(&mut self, updates: &[PhaseUpdate]) -> Result<(), StoreError> {
+            if self
+                .fail_updates
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                return Err(StoreError::Sink {
+                    sink: "mem",
+                    message: "injected update failure".to_owned(),
+                });
+            }
+            self.events
+                .lock()
+                .expect("events")
+                .push(format!("u{}", updates.len()));
+            self.updates
+                .lock()
+                .expect("updates")
+                .extend_from_slice(updates);
+            Ok(())
+        }
         fn name(&self) -> &'static str {
             "mem"
+        }
+    }
+
+    fn up(i: usize) -> PhaseUpdate {
+        PhaseUpdate {
+            trace_id: format!("{i:032x}"),
+            queue_duration_ms: Some(i as f64),
+            ..PhaseUpdate::default()
         }
     }
 
@@ -832,6 +1053,174 @@ mod tests {
         assert!(report.timed_out);
         assert_eq!(report.abandoned, 2);
         sink.unblock();
+    }
+
+    #[test]
+    fn a_flush_writes_records_before_updates() {
+        let sink = MemSink::default();
+        let mut c = cfg(1000, 1000);
+        c.flush_interval = Duration::from_secs(3600);
+        let (rec_tx, handle) = spawn_pipeline(Box::new(sink.clone()), c, Arc::new(NoopObserver));
+        // The update is queued before its record, yet applied after it.
+        rec_tx.update(up(1));
+        rec_tx.record(rec(1));
+        rec_tx.update(up(2));
+        rec_tx.record(rec(2));
+        handle.flush();
+        assert_eq!(*sink.events.lock().expect("events"), ["w2", "u2"]);
+        assert_eq!(*sink.updates.lock().expect("updates"), [up(1), up(2)]);
+        // Accounting: records and updates apart.
+        assert_eq!((rec_tx.queued(), rec_tx.updates_queued()), (2, 2));
+        assert_eq!((rec_tx.written(), rec_tx.pending()), (2, 0));
+        // Updates alone flush too; a flush with no records makes no write_batch call.
+        rec_tx.update(up(3));
+        handle.flush();
+        assert_eq!(*sink.events.lock().expect("events"), ["w2", "u2", "u1"]);
+        handle.shutdown(Duration::from_secs(5));
+    }
+
+    #[test]
+    fn updates_count_towards_batch_size_and_flush_interval() {
+        let sink = MemSink::default();
+        let mut c = cfg(1000, 4);
+        c.flush_interval = Duration::from_millis(20);
+        let (rec_tx, handle) = spawn_pipeline(Box::new(sink.clone()), c, Arc::new(NoopObserver));
+        for i in 0..4 {
+            rec_tx.update(up(i));
+        }
+        rec_tx.update(up(4));
+        let t0 = Instant::now();
+        while sink.updates.lock().expect("updates").len() < 5 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "never flushed");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        // One full batch of 4, then the interval flush of the 5th.
+        assert_eq!(*sink.events.lock().expect("events"), ["u4", "u1"]);
+        handle.shutdown(Duration::from_secs(5));
+    }
+
+    #[test]
+    fn update_drops_use_the_record_drop_accounting() {
+        let sink = MemSink::default();
+        sink.block();
+        let obs = Arc::new(CountingObserver::default());
+        let (rec_tx, handle) = spawn_pipeline(Box::new(sink.clone()), cfg(4, 1), obs.clone());
+        rec_tx.record(rec(0));
+        let t0 = Instant::now();
+        while sink.calls.load(Ordering::SeqCst) == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "writer never started"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let start = Instant::now();
+        for i in 0..10 {
+            rec_tx.update(up(i));
+        }
+        assert!(start.elapsed() < Duration::from_secs(1));
+        assert_eq!((rec_tx.updates_queued(), rec_tx.dropped()), (4, 6));
+        assert_eq!(obs.dropped_full.load(Ordering::SeqCst), 6);
+        // Not counted as queued records.
+        assert_eq!(
+            (rec_tx.queued(), obs.enqueued.load(Ordering::SeqCst)),
+            (1, 1)
+        );
+        sink.unblock();
+        let report = handle.shutdown(Duration::from_secs(10));
+        assert_eq!((report.written, report.dropped), (1, 6));
+        assert_eq!(sink.updates.lock().expect("updates").len(), 4);
+        rec_tx.update(up(99));
+        assert_eq!(obs.dropped_closed.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn failing_updates_retry_then_count_as_unmatched() {
+        let sink = MemSink::default();
+        sink.fail_updates.store(2, Ordering::SeqCst);
+        let obs = Arc::new(CountingObserver::default());
+        let (rec_tx, handle) = spawn_pipeline(Box::new(sink.clone()), cfg(100, 10), obs.clone());
+        rec_tx.update(up(1));
+        handle.flush();
+        assert_eq!(sink.updates.lock().expect("updates").len(), 1);
+        assert_eq!(rec_tx.updates_unmatched(), 0);
+
+        sink.fail_updates.store(u64::MAX, Ordering::SeqCst);
+        rec_tx.record(rec(1));
+        rec_tx.update(up(2));
+        rec_tx.update(up(3));
+        handle.flush();
+        // The records were written; the updates given up on after 1 + 3 attempts.
+        assert_eq!((rec_tx.written(), rec_tx.lost()), (1, 0));
+        assert_eq!(rec_tx.updates_unmatched(), 2);
+        assert_eq!(
+            *obs.unmatched.lock().expect("unmatched"),
+            [(UnmatchedReason::WriteFailed, 2)]
+        );
+        handle.shutdown(Duration::from_secs(5));
+    }
+
+    #[test]
+    fn sqlite_sink_joins_late_and_early_updates() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("u.db");
+        let store = SqliteStore::open(&path).expect("open");
+        let obs = Arc::new(CountingObserver::default());
+        let (rec_tx, handle) = spawn_pipeline(Box::new(store), cfg(10_000, 100), obs.clone());
+        let traced = |i: usize| {
+            let mut r = rec(i);
+            r.trace_id = format!("{i:032x}");
+            r
+        };
+        // Early: the span arrives while the record is still in the gateway.
+        rec_tx.update(up(1));
+        handle.flush();
+        rec_tx.record(traced(1));
+        // Late: record first, span later, in a later batch.
+        rec_tx.record(traced(2));
+        handle.flush();
+        rec_tx.update(up(2));
+        // A span whose record never comes.
+        rec_tx.update(up(3));
+        handle.flush();
+        let reader = SqliteStore::open_read_only(&path).expect("reader");
+        for i in [1, 2] {
+            let got = reader.get(&format!("r{i:06}")).expect("get").expect("row");
+            assert_eq!(
+                (got.queue_duration_ms, got.queue_source),
+                (Some(i as f64), tokenscope_core::PhaseSource::Engine)
+            );
+        }
+        assert_eq!(rec_tx.updates_unmatched(), 0);
+        let report = handle.shutdown(Duration::from_secs(10));
+        assert_eq!((report.written, report.dropped), (2, 0));
+        // The span still parked at shutdown is reported.
+        assert_eq!(rec_tx.updates_unmatched(), 1);
+        assert_eq!(
+            *obs.unmatched.lock().expect("unmatched"),
+            [(UnmatchedReason::Shutdown, 1)]
+        );
+    }
+
+    #[test]
+    fn default_sink_methods_ignore_updates() {
+        struct Plain;
+        impl RecordSink for Plain {
+            fn write_batch(&mut self, _batch: &[RequestRecord]) -> Result<(), StoreError> {
+                Ok(())
+            }
+            fn name(&self) -> &'static str {
+                "plain"
+            }
+        }
+        let mut p = Plain;
+        assert!(p.apply_updates(&[up(1)]).is_ok());
+        assert_eq!(p.take_unmatched(true), UnmatchedCounts::default());
+        let obs = Arc::new(CountingObserver::default());
+        let (rec_tx, handle) = spawn_pipeline(Box::new(Plain), cfg(10, 10), obs.clone());
+        rec_tx.update(up(1));
+        let report = handle.shutdown(Duration::from_secs(5));
+        assert_eq!((report.dropped, rec_tx.updates_unmatched()), (0, 0));
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! range scan, only the columns the report needs), optionally filtered by dimension values,
 //! groups them by the requested [`Dimension`]s and, when [`ReportQuery::interval`] is set, by
 //! time bucket, and computes per group: request count, `ok` count, success rate, QPS, exact
-//! TTFT / TPOT / end-to-end quantiles and token sums.
+//! TTFT / TPOT / end-to-end quantiles, exact engine-phase (queue / prefill / decode)
+//! quantiles, the queue share of TTFT and token sums.
 //!
 //! ## Percentile definition
 //!
@@ -30,6 +31,21 @@
 //! * Time buckets are aligned to the Unix epoch (UTC): with a 1-day interval a bucket is one
 //!   UTC calendar day. `bucket_start_us` is the bucket's start in epoch µs.
 //! * Token columns are sums of the known values (`NULL` counts as 0).
+//! * `queue`, `prefill`, `decode` are the engine phases (`queue_duration_ms`,
+//!   `prefill_duration_ms`, `decode_duration_ms`), whatever their source (engine-reported or
+//!   derived by the gateway; late engine updates included once applied); rows without the
+//!   phase are left out of that phase only, like TTFT.
+//! * `queue_share_of_ttft = Σ queue_ms / Σ ttft_ms` over the group's rows that have **both**
+//!   a queue time and a TTFT; `None` when there is no such row (or the TTFT sum is 0). It is
+//!   a ratio of sums, not a mean of per-request ratios: the fraction of all
+//!   waiting-for-the-first-token time that was spent queued in the engine, so slow requests
+//!   weigh more. Not clamped: engine queue time is measured on the engine's clock and TTFT
+//!   on the gateway's, so in principle it can exceed 1.
+//! * `kv_band` groups by the engine's KV-cache usage at the request's arrival
+//!   (`engine_kv_usage`, 0–1) into half-open bands `0-50%` (< 0.5, negatives included),
+//!   `50-80%` ([0.5, 0.8)), `80-95%` ([0.8, 0.95)), `95-100%` (≥ 0.95, values above 1
+//!   included) and `(none)` when unknown; see [`kv_band`]. A `kv_band` filter selects the
+//!   same half-open range.
 //! * A `NULL` dimension value (e.g. no `user_id`) forms its own group, shown as `(none)`; a
 //!   filter value of `(none)` selects it. `stream` groups are `true` / `false`.
 //! * Rows are ordered by bucket, then by group values: text ascending (byte order),
@@ -42,8 +58,12 @@
 //! field per group dimension named as the dimension (`model`, `input_bucket`, `user`, …),
 //! `count`, `ok`, `success_rate`, `qps`, then for each of `ttft`, `tpot`, `e2e`:
 //! `<m>_n`, `<m>_p50_ms`, `<m>_p90_ms`, `<m>_p95_ms`, `<m>_p99_ms`, `<m>_mean_ms`, then
-//! `input_tokens`, `output_tokens`, `cached_tokens`. The table (comfy-table) shows a
-//! human-sized subset (P50/P95/P99).
+//! `input_tokens`, `output_tokens`, `cached_tokens`, then (appended in schema v2, so the
+//! earlier columns keep their positions) the same six fields for each of `queue`,
+//! `prefill`, `decode` (`queue_n`, `queue_p50_ms`, …, `decode_mean_ms`), then
+//! `queue_share_of_ttft` (a fraction, 0–1). The table (comfy-table) shows a human-sized
+//! subset: P50/P95/P99 of TTFT, TPOT and end-to-end, and — only when some row has a phase
+//! value — P50/P99 of queue, prefill and decode and the queue share of TTFT in percent.
 //!
 //! ## Performance
 //!
@@ -94,11 +114,15 @@ pub enum Dimension {
     Upstream,
     /// `stream` (`true` / `false`).
     Stream,
+    /// `engine` (the adapter that read the response: `llamacpp`, `vllm`, …).
+    Engine,
+    /// `kv_band`: the band of `engine_kv_usage` at arrival (see [`kv_band`]).
+    KvUsageBand,
 }
 
 impl Dimension {
     /// Every dimension.
-    pub const ALL: [Dimension; 10] = [
+    pub const ALL: [Dimension; 12] = [
         Dimension::Model,
         Dimension::InputBucket,
         Dimension::User,
@@ -109,6 +133,8 @@ impl Dimension {
         Dimension::Endpoint,
         Dimension::Upstream,
         Dimension::Stream,
+        Dimension::Engine,
+        Dimension::KvUsageBand,
     ];
 
     /// The name accepted by [`FromStr`] and used as the output field name.
@@ -124,6 +150,8 @@ impl Dimension {
             Dimension::Endpoint => "endpoint",
             Dimension::Upstream => "upstream",
             Dimension::Stream => "stream",
+            Dimension::Engine => "engine",
+            Dimension::KvUsageBand => "kv_band",
         }
     }
 
@@ -140,8 +168,33 @@ impl Dimension {
             Dimension::Endpoint => "endpoint",
             Dimension::Upstream => "upstream",
             Dimension::Stream => "stream",
+            Dimension::Engine => "engine",
+            Dimension::KvUsageBand => "engine_kv_usage",
         }
     }
+}
+
+/// The `kv_band` labels, lowest first.
+pub const KV_BANDS: [&str; 4] = ["0-50%", "50-80%", "80-95%", "95-100%"];
+
+/// Lower bounds (inclusive) of [`KV_BANDS`] 1…3; band 0 has no lower bound, band 3 no upper.
+const KV_BAND_LOWER: [f64; 3] = [0.5, 0.8, 0.95];
+
+/// Index into [`KV_BANDS`] of a KV-cache usage (0–1); `None` for NaN. Bands are half-open:
+/// `< 0.5`, `[0.5, 0.8)`, `[0.8, 0.95)`, `≥ 0.95`.
+pub fn kv_band_index(usage: f64) -> Option<usize> {
+    if usage.is_nan() {
+        return None;
+    }
+    Some(KV_BAND_LOWER.iter().take_while(|lo| usage >= **lo).count())
+}
+
+/// The `kv_band` label of a KV-cache usage: one of [`KV_BANDS`], or [`NONE_LABEL`] when
+/// unknown (`None` or NaN).
+pub fn kv_band(usage: Option<f64>) -> &'static str {
+    usage
+        .and_then(kv_band_index)
+        .map_or(NONE_LABEL, |i| KV_BANDS[i])
 }
 
 impl fmt::Display for Dimension {
@@ -154,12 +207,13 @@ impl FromStr for Dimension {
     type Err = StoreError;
 
     /// Accepts the [`Dimension::as_str`] names (case-insensitive, `-` or `_`), plus the column
-    /// names `user_id` and `outcome`.
+    /// names `user_id`, `outcome` and `engine_kv_usage`, and `kv_usage_band`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let norm = s.trim().to_ascii_lowercase().replace('-', "_");
         let alias = match norm.as_str() {
             "user_id" => Some(Dimension::User),
             "outcome" => Some(Dimension::Status),
+            "engine_kv_usage" | "kv_usage_band" | "kv_usage" => Some(Dimension::KvUsageBand),
             _ => None,
         };
         alias
@@ -271,6 +325,15 @@ pub struct ReportRow {
     pub tpot: Quantiles,
     /// End-to-end duration (`total_duration_ms`).
     pub e2e: Quantiles,
+    /// Engine queue time (`queue_duration_ms`).
+    pub queue: Quantiles,
+    /// Engine prefill time (`prefill_duration_ms`).
+    pub prefill: Quantiles,
+    /// Engine decode time (`decode_duration_ms`).
+    pub decode: Quantiles,
+    /// `Σ queue_ms / Σ ttft_ms` over the rows having both (see the module docs); `None`
+    /// without such rows.
+    pub queue_share_of_ttft: Option<f64>,
     /// Sum of `input_tokens`.
     pub input_tokens: u64,
     /// Sum of `output_tokens`.
@@ -494,6 +557,10 @@ struct Interner {
 impl Interner {
     #[inline]
     fn id_of(&mut self, dim: Dimension, v: ValueRef<'_>) -> i64 {
+        if dim == Dimension::KvUsageBand {
+            // Ids are band indexes; anything not a number counts as unknown.
+            return real(v).and_then(kv_band_index).map_or(-1, |b| b as i64);
+        }
         match v {
             ValueRef::Null => -1,
             ValueRef::Integer(i) if dim == Dimension::Stream => i64::from(i != 0),
@@ -522,6 +589,12 @@ impl Interner {
         if dim == Dimension::Stream {
             return Some(if id == 1 { "true" } else { "false" }.to_owned());
         }
+        if dim == Dimension::KvUsageBand {
+            return usize::try_from(id)
+                .ok()
+                .and_then(|i| KV_BANDS.get(i))
+                .map(|b| (*b).to_owned());
+        }
         Some(
             usize::try_from(id)
                 .ok()
@@ -532,13 +605,27 @@ impl Interner {
     }
 }
 
+/// The per-row metrics kept for quantiles, in [`Acc::values`] order.
+const METRICS: usize = 6;
+const M_TTFT: usize = 0;
+const M_TPOT: usize = 1;
+const M_E2E: usize = 2;
+const M_QUEUE: usize = 3;
+const M_PREFILL: usize = 4;
+const M_DECODE: usize = 5;
+
 #[derive(Default)]
 struct Acc {
     count: u64,
     ok: u64,
-    ttft: Vec<f64>,
-    tpot: Vec<f64>,
-    e2e: Vec<f64>,
+    /// One entry per row: TTFT, TPOT, e2e, queue, prefill, decode; NaN = unknown. One
+    /// contiguous push per row (rather than one per metric into six vectors) keeps the scan
+    /// to one cache line per row when rows hit many groups in turn.
+    values: Vec<[f64; METRICS]>,
+    /// Σ queue and Σ TTFT over the `share_n` rows having both.
+    share_queue_ms: f64,
+    share_ttft_ms: f64,
+    share_n: u64,
     input_tokens: u64,
     output_tokens: u64,
     cached_tokens: u64,
@@ -591,6 +678,8 @@ enum FilterValue {
     Null,
     Text(String),
     Int(i64),
+    /// `lo <= column < hi`, either bound optional (and never NULL).
+    Range(Option<f64>, Option<f64>),
 }
 
 fn filter_value(dim: Dimension, raw: &str) -> Result<FilterValue, StoreError> {
@@ -615,24 +704,35 @@ fn filter_value(dim: Dimension, raw: &str) -> Result<FilterValue, StoreError> {
         Dimension::Endpoint => parse_endpoint(raw)
             .map(|e| FilterValue::Text(e.as_str().to_owned()))
             .ok_or_else(|| bad("chat_completions, completions or embeddings")),
+        Dimension::KvUsageBand => {
+            let i = KV_BANDS
+                .iter()
+                .position(|b| *b == raw)
+                .ok_or_else(|| bad("0-50%, 50-80%, 80-95% or 95-100%"))?;
+            let lo = i.checked_sub(1).map(|j| KV_BAND_LOWER[j]);
+            let hi = KV_BAND_LOWER.get(i).copied();
+            Ok(FilterValue::Range(lo, hi))
+        }
         _ => Ok(FilterValue::Text(raw.to_owned())),
     }
 }
 
 /// The report's SELECT: only the needed columns, the `created_at` range `[lo, hi)` (served by the
-/// covering `idx_log_created_at`), and the filters. Column order: 0 outcome, 1 ttft,
-/// 2 tpot, 3 total, 4 input, 5 output, 6 cached, [7 created_at, only with an interval],
-/// then the group dimensions from the returned offset on.
+/// covering `idx_log_created_at`), and the filters. Column order: 0 `outcome = 'ok'` (an
+/// integer: one call cheaper per row than reading the text), 1 ttft,
+/// 2 tpot, 3 total, 4 input, 5 output, 6 cached, 7 queue, 8 prefill, 9 decode,
+/// [10 created_at, only with an interval], then the group dimensions from the returned offset
+/// on.
 fn report_sql(
     q: &ReportQuery,
     lo: i64,
     hi: Option<i64>,
 ) -> Result<(String, Vec<rusqlite::types::Value>, usize), StoreError> {
     let mut sql = String::from(
-        "SELECT outcome, ttft_ms, tpot_ms, total_duration_ms, input_tokens, output_tokens, \
-         cached_tokens",
+        "SELECT outcome = 'ok', ttft_ms, tpot_ms, total_duration_ms, input_tokens, output_tokens, \
+         cached_tokens, queue_duration_ms, prefill_duration_ms, decode_duration_ms",
     );
-    let mut fixed = 7;
+    let mut fixed = 10;
     if q.interval.is_some() {
         sql.push_str(", created_at");
         fixed += 1;
@@ -657,6 +757,17 @@ fn report_sql(
             FilterValue::Int(i) => {
                 sql.push_str(&format!(" AND {} = ?", d.column()));
                 params.push(i.into());
+            }
+            FilterValue::Range(lo, hi) => {
+                sql.push_str(&format!(" AND {} IS NOT NULL", d.column()));
+                if let Some(lo) = lo {
+                    sql.push_str(&format!(" AND {} >= ?", d.column()));
+                    params.push(lo.into());
+                }
+                if let Some(hi) = hi {
+                    sql.push_str(&format!(" AND {} < ?", d.column()));
+                    params.push(hi.into());
+                }
             }
         }
     }
@@ -691,7 +802,7 @@ fn scan(
         key.clear();
         let bucket = match interval_us {
             Some(iv) => {
-                let at = match row.get_ref(7)? {
+                let at = match row.get_ref(10)? {
                     ValueRef::Integer(at) => at,
                     _ => 0,
                 };
@@ -715,17 +826,29 @@ fn scan(
         };
         let acc = &mut accs[slot].1;
         acc.count += 1;
-        if matches!(row.get_ref(0)?, ValueRef::Text(b"ok")) {
+        if matches!(row.get_ref(0)?, ValueRef::Integer(1)) {
             acc.ok += 1;
         }
-        if let Some(v) = real(row.get_ref(1)?) {
-            acc.ttft.push(v);
+        let mut v = [f64::NAN; METRICS];
+        let ttft = real(row.get_ref(1)?);
+        let queue = real(row.get_ref(7)?);
+        for (slot, x) in [
+            (M_TTFT, ttft),
+            (M_TPOT, real(row.get_ref(2)?)),
+            (M_E2E, real(row.get_ref(3)?)),
+            (M_QUEUE, queue),
+            (M_PREFILL, real(row.get_ref(8)?)),
+            (M_DECODE, real(row.get_ref(9)?)),
+        ] {
+            if let Some(x) = x {
+                v[slot] = x;
+            }
         }
-        if let Some(v) = real(row.get_ref(2)?) {
-            acc.tpot.push(v);
-        }
-        if let Some(v) = real(row.get_ref(3)?) {
-            acc.e2e.push(v);
+        acc.values.push(v);
+        if let (Some(q), Some(t)) = (queue, ttft) {
+            acc.share_queue_ms += q;
+            acc.share_ttft_ms += t;
+            acc.share_n += 1;
         }
         acc.input_tokens += tokens(row.get_ref(4)?);
         acc.output_tokens += tokens(row.get_ref(5)?);
@@ -743,9 +866,10 @@ impl Acc {
     fn merge(&mut self, other: Acc) {
         self.count += other.count;
         self.ok += other.ok;
-        self.ttft.extend(other.ttft);
-        self.tpot.extend(other.tpot);
-        self.e2e.extend(other.e2e);
+        self.values.extend(other.values);
+        self.share_queue_ms += other.share_queue_ms;
+        self.share_ttft_ms += other.share_ttft_ms;
+        self.share_n += other.share_n;
         self.input_tokens += other.input_tokens;
         self.output_tokens += other.output_tokens;
         self.cached_tokens += other.cached_tokens;
@@ -794,9 +918,10 @@ fn finish(q: &ReportQuery, parts: Vec<Partial>, now_us: i64) -> Vec<ReportRow> {
     keyed.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
 
     let range_secs = (until_eff.saturating_sub(q.since_us)) as f64 / 1e6;
+    let mut buf: Vec<f64> = Vec::new();
     keyed
         .into_iter()
-        .map(|(bucket, _, labels, mut a)| {
+        .map(|(bucket, _, labels, a)| {
             let window_s = match interval_us {
                 Some(iv) => {
                     let start = bucket.max(q.since_us);
@@ -825,15 +950,32 @@ fn finish(q: &ReportQuery, parts: Vec<Partial>, now_us: i64) -> Vec<ReportRow> {
                 } else {
                     0.0
                 },
-                ttft: Quantiles::from_values(&mut a.ttft),
-                tpot: Quantiles::from_values(&mut a.tpot),
-                e2e: Quantiles::from_values(&mut a.e2e),
+                ttft: quantiles_of(&a.values, M_TTFT, &mut buf),
+                tpot: quantiles_of(&a.values, M_TPOT, &mut buf),
+                e2e: quantiles_of(&a.values, M_E2E, &mut buf),
+                queue: quantiles_of(&a.values, M_QUEUE, &mut buf),
+                prefill: quantiles_of(&a.values, M_PREFILL, &mut buf),
+                decode: quantiles_of(&a.values, M_DECODE, &mut buf),
+                queue_share_of_ttft: queue_share(a.share_n, a.share_queue_ms, a.share_ttft_ms),
                 input_tokens: a.input_tokens,
                 output_tokens: a.output_tokens,
                 cached_tokens: a.cached_tokens,
             }
         })
         .collect()
+}
+
+/// Quantiles of metric `m` over the rows that have it (`buf` is scratch space).
+fn quantiles_of(values: &[[f64; METRICS]], m: usize, buf: &mut Vec<f64>) -> Quantiles {
+    buf.clear();
+    buf.extend(values.iter().map(|r| r[m]).filter(|x| !x.is_nan()));
+    Quantiles::from_values(buf)
+}
+
+/// `Σ queue / Σ ttft` over `n` rows having both; `None` without rows or with a zero (or
+/// non-finite) TTFT sum.
+fn queue_share(n: u64, queue_ms: f64, ttft_ms: f64) -> Option<f64> {
+    (n > 0 && ttft_ms > 0.0 && ttft_ms.is_finite()).then(|| queue_ms / ttft_ms)
 }
 
 /// Per-dimension ordering: (NULL last, numeric rank, text).
@@ -848,6 +990,10 @@ fn sort_part(dim: Dimension, label: Option<&str>) -> SortPart {
         Dimension::Stream => u32::from(label == "true"),
         Dimension::InputBucket => parse_input_bucket(label)
             .and_then(|b| InputBucket::ALL.iter().position(|x| *x == b))
+            .map_or(u32::MAX, |p| p as u32),
+        Dimension::KvUsageBand => KV_BANDS
+            .iter()
+            .position(|b| *b == label)
             .map_or(u32::MAX, |p| p as u32),
         _ => 0,
     };
@@ -905,13 +1051,26 @@ fn flat_header(q: &ReportQuery) -> Vec<String> {
         h.extend(METRIC_FIELDS.iter().map(|f| format!("{m}_{f}")));
     }
     h.extend(["input_tokens", "output_tokens", "cached_tokens"].map(str::to_owned));
+    for m in ["queue", "prefill", "decode"] {
+        h.extend(METRIC_FIELDS.iter().map(|f| format!("{m}_{f}")));
+    }
+    h.push("queue_share_of_ttft".to_owned());
     h
+}
+
+fn push_quantiles(f: &mut Vec<(String, Field)>, m: &str, qs: &Quantiles) {
+    f.push((format!("{m}_n"), Field::UInt(qs.n)));
+    f.push((format!("{m}_p50_ms"), Field::Num(qs.p50)));
+    f.push((format!("{m}_p90_ms"), Field::Num(qs.p90)));
+    f.push((format!("{m}_p95_ms"), Field::Num(qs.p95)));
+    f.push((format!("{m}_p99_ms"), Field::Num(qs.p99)));
+    f.push((format!("{m}_mean_ms"), Field::Num(qs.mean)));
 }
 
 impl ReportRow {
     /// The row as ordered `(field name, value)` pairs — the JSON / CSV form.
     fn flat(&self) -> Vec<(String, Field)> {
-        let mut f = Vec::with_capacity(32);
+        let mut f = Vec::with_capacity(64);
         if let Some(b) = self.bucket_start_us {
             f.push(("bucket_start_us".to_owned(), Field::Int(b)));
             f.push(("bucket_start".to_owned(), Field::Str(format_utc(b))));
@@ -931,16 +1090,22 @@ impl ReportRow {
             ("tpot", &self.tpot),
             ("e2e", &self.e2e),
         ] {
-            f.push((format!("{m}_n"), Field::UInt(qs.n)));
-            f.push((format!("{m}_p50_ms"), Field::Num(qs.p50)));
-            f.push((format!("{m}_p90_ms"), Field::Num(qs.p90)));
-            f.push((format!("{m}_p95_ms"), Field::Num(qs.p95)));
-            f.push((format!("{m}_p99_ms"), Field::Num(qs.p99)));
-            f.push((format!("{m}_mean_ms"), Field::Num(qs.mean)));
+            push_quantiles(&mut f, m, qs);
         }
         f.push(("input_tokens".to_owned(), Field::UInt(self.input_tokens)));
         f.push(("output_tokens".to_owned(), Field::UInt(self.output_tokens)));
         f.push(("cached_tokens".to_owned(), Field::UInt(self.cached_tokens)));
+        for (m, qs) in [
+            ("queue", &self.queue),
+            ("prefill", &self.prefill),
+            ("decode", &self.decode),
+        ] {
+            push_quantiles(&mut f, m, qs);
+        }
+        f.push((
+            "queue_share_of_ttft".to_owned(),
+            Field::Num(self.queue_share_of_ttft),
+        ));
         f
     }
 }
@@ -1010,14 +1175,34 @@ pub fn render(rows: &[ReportRow], q: &ReportQuery, format: Format) -> String {
                 header.push("bucket (UTC)".to_owned());
             }
             header.extend(q.group_by.iter().map(|d| d.as_str().to_owned()));
+            let numeric_from = header.len();
             header.extend(
                 [
                     "count", "ok %", "qps", "ttft p50", "ttft p95", "ttft p99", "tpot p50",
-                    "tpot p95", "tpot p99", "e2e p50", "e2e p95", "e2e p99", "in tok", "out tok",
+                    "tpot p95", "tpot p99", "e2e p50", "e2e p95", "e2e p99",
                 ]
                 .map(str::to_owned),
             );
-            let numeric_from = header.len() - 14;
+            // Phase columns only when there is something to show (many deployments have no
+            // engine phases at all).
+            let phases = rows
+                .iter()
+                .any(|r| r.queue.n + r.prefill.n + r.decode.n > 0);
+            if phases {
+                header.extend(
+                    [
+                        "queue p50",
+                        "queue p99",
+                        "prefill p50",
+                        "prefill p99",
+                        "decode p50",
+                        "decode p99",
+                        "queue % ttft",
+                    ]
+                    .map(str::to_owned),
+                );
+            }
+            header.extend(["in tok", "out tok"].map(str::to_owned));
             table.set_header(header.iter().map(Cell::new));
             for r in rows {
                 let mut cells: Vec<String> = Vec::with_capacity(header.len());
@@ -1034,6 +1219,16 @@ pub fn render(rows: &[ReportRow], q: &ReportQuery, format: Format) -> String {
                     cells.push(fmt_ms(qs.p50));
                     cells.push(fmt_ms(qs.p95));
                     cells.push(fmt_ms(qs.p99));
+                }
+                if phases {
+                    for qs in [&r.queue, &r.prefill, &r.decode] {
+                        cells.push(fmt_ms(qs.p50));
+                        cells.push(fmt_ms(qs.p99));
+                    }
+                    cells.push(
+                        r.queue_share_of_ttft
+                            .map_or_else(|| "-".to_owned(), |x| format!("{:.1}", x * 100.0)),
+                    );
                 }
                 cells.push(r.input_tokens.to_string());
                 cells.push(r.output_tokens.to_string());
@@ -1466,6 +1661,11 @@ mod tests {
                     Some(x % 5000),
                 );
                 r.stream = x % 2 == 0;
+                r.queue_duration_ms = (x % 7 != 0).then_some((x % 900) as f64 / 9.0);
+                r.prefill_duration_ms = (x % 5 != 0).then_some((x % 4000) as f64 / 3.0);
+                r.decode_duration_ms = (x % 3 != 1).then_some((x % 80_000) as f64 / 7.0);
+                r.engine_kv_usage = (x % 19 != 0).then_some((x % 1000) as f64 / 999.0);
+                r.engine = (x % 23 != 0).then(|| ["vllm", "sglang"][(x % 2) as usize].to_owned());
                 r
             })
             .collect();
@@ -1487,6 +1687,11 @@ mod tests {
                 filters: vec![(Dimension::Model, "b".to_owned())],
                 ..q(vec![Dimension::User])
             },
+            q(vec![Dimension::KvUsageBand, Dimension::Engine]),
+            ReportQuery {
+                filters: vec![(Dimension::KvUsageBand, "80-95%".to_owned())],
+                ..q(vec![Dimension::Model])
+            },
         ];
         for query in &queries {
             let single = run_report_threads(&r, query, 1).expect("single");
@@ -1497,9 +1702,17 @@ mod tests {
                 for (a, b) in par.iter().zip(&single) {
                     let strip = |x: &ReportRow| {
                         let mut x = x.clone();
-                        for m in [&mut x.ttft, &mut x.tpot, &mut x.e2e] {
+                        for m in [
+                            &mut x.ttft,
+                            &mut x.tpot,
+                            &mut x.e2e,
+                            &mut x.queue,
+                            &mut x.prefill,
+                            &mut x.decode,
+                        ] {
                             m.mean = m.mean.map(|v| (v * 1e6).round());
                         }
+                        x.queue_share_of_ttft = x.queue_share_of_ttft.map(|v| (v * 1e9).round());
                         x
                     };
                     assert_eq!(strip(a), strip(b));
@@ -1513,6 +1726,283 @@ mod tests {
             ..q(vec![])
         };
         assert!(run_report_threads(&r, &empty, 2).expect("empty").is_empty());
+    }
+
+    /// Rows with engine phases and state: (id, ttft, queue, prefill, decode, kv, engine).
+    fn phase_fixture() -> SqliteStore {
+        let mut s = SqliteStore::open_in_memory().expect("open");
+        #[allow(clippy::type_complexity)]
+        let rows: [(
+            &str,
+            Option<f64>,
+            Option<f64>,
+            Option<f64>,
+            Option<f64>,
+            Option<f64>,
+            Option<&str>,
+        ); 6] = [
+            (
+                "1",
+                Some(100.0),
+                Some(10.0),
+                Some(80.0),
+                Some(1000.0),
+                Some(0.10),
+                Some("vllm"),
+            ),
+            (
+                "2",
+                Some(300.0),
+                Some(150.0),
+                Some(140.0),
+                Some(2000.0),
+                Some(0.5),
+                Some("vllm"),
+            ),
+            (
+                "3",
+                None,
+                Some(40.0),
+                Some(20.0),
+                None,
+                Some(0.7999),
+                Some("sglang"),
+            ),
+            (
+                "4",
+                Some(200.0),
+                None,
+                None,
+                Some(3000.0),
+                Some(0.8),
+                Some("vllm"),
+            ),
+            ("5", Some(50.0), Some(30.0), None, None, Some(0.97), None),
+            (
+                "6",
+                Some(60.0),
+                None,
+                Some(5.0),
+                Some(500.0),
+                None,
+                Some("sglang"),
+            ),
+        ];
+        let recs: Vec<RequestRecord> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, (id, ttft, queue, prefill, decode, kv, engine))| {
+                let mut r = sparse_record(id);
+                r.created_at = T0 + i as i64;
+                r.trace_id = format!("trace-{id}");
+                r.ttft_ms = *ttft;
+                r.queue_duration_ms = *queue;
+                r.prefill_duration_ms = *prefill;
+                r.decode_duration_ms = *decode;
+                r.engine_kv_usage = *kv;
+                r.engine = engine.map(str::to_owned);
+                r
+            })
+            .collect();
+        s.insert_batch(&recs).expect("insert");
+        s
+    }
+
+    #[test]
+    fn phase_quantiles_and_queue_share() {
+        let s = phase_fixture();
+        let rows = run_report(&s, &q(vec![])).expect("report");
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        // queue: 10, 150, 40, 30 → sorted 10, 30, 40, 150.
+        assert_eq!(r.queue.n, 4);
+        assert_eq!((r.queue.p50, r.queue.p99), (Some(30.0), Some(150.0)));
+        assert_eq!(r.queue.mean, Some(57.5));
+        // prefill: 80, 140, 20, 5 → 5, 20, 80, 140.
+        assert_eq!(r.prefill.n, 4);
+        assert_eq!((r.prefill.p50, r.prefill.p90), (Some(20.0), Some(140.0)));
+        // decode: 1000, 2000, 3000, 500.
+        assert_eq!(r.decode.n, 4);
+        assert_eq!((r.decode.p50, r.decode.p99), (Some(1000.0), Some(3000.0)));
+        // Share over rows with both queue and TTFT (1, 2, 5): (10+150+30) / (100+300+50).
+        assert_eq!(r.queue_share_of_ttft, Some(190.0 / 450.0));
+    }
+
+    #[test]
+    fn queue_share_is_none_without_rows_having_both() {
+        assert_eq!(queue_share(0, 0.0, 0.0), None);
+        assert_eq!(queue_share(2, 5.0, 0.0), None);
+        assert_eq!(queue_share(1, 5.0, 10.0), Some(0.5));
+        let s = phase_fixture();
+        let mut query = q(vec![]);
+        // Row 3 has a queue but no TTFT, row 4 a TTFT but no queue.
+        query.filters = vec![(Dimension::Engine, "sglang".to_owned())];
+        let rows = run_report(&s, &query).expect("report");
+        assert_eq!(rows[0].count, 2);
+        assert_eq!(rows[0].queue.n, 1);
+        assert_eq!(rows[0].queue_share_of_ttft, None);
+    }
+
+    #[test]
+    fn kv_band_boundaries() {
+        let cases = [
+            (-0.1, "0-50%"),
+            (0.0, "0-50%"),
+            (0.4999, "0-50%"),
+            (0.5, "50-80%"),
+            (0.7999, "50-80%"),
+            (0.8, "80-95%"),
+            (0.9499, "80-95%"),
+            (0.95, "95-100%"),
+            (1.0, "95-100%"),
+            (1.3, "95-100%"),
+        ];
+        for (usage, band) in cases {
+            assert_eq!(kv_band(Some(usage)), band, "{usage}");
+        }
+        assert_eq!(kv_band(None), NONE_LABEL);
+        assert_eq!(kv_band(Some(f64::NAN)), NONE_LABEL);
+        assert_eq!(kv_band_index(0.5), Some(1));
+    }
+
+    #[test]
+    fn group_and_filter_by_kv_band_and_engine() {
+        let s = phase_fixture();
+        let rows = run_report(&s, &q(vec![Dimension::KvUsageBand])).expect("report");
+        let got: Vec<(&str, u64)> = rows
+            .iter()
+            .map(|r| (r.group[0].1.as_str(), r.count))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("0-50%", 1),
+                ("50-80%", 2),
+                ("80-95%", 1),
+                ("95-100%", 1),
+                (NONE_LABEL, 1)
+            ]
+        );
+        // The filter selects the same half-open ranges as the grouping.
+        for (band, n) in &got {
+            let mut query = q(vec![]);
+            query.filters = vec![(Dimension::KvUsageBand, (*band).to_owned())];
+            let rows = run_report(&s, &query).expect("report");
+            assert_eq!(rows[0].count, *n, "{band}");
+        }
+        let mut query = q(vec![]);
+        query.filters = vec![(Dimension::KvUsageBand, "10%".to_owned())];
+        assert!(matches!(
+            run_report(&s, &query),
+            Err(StoreError::InvalidQuery(_))
+        ));
+
+        let rows = run_report(&s, &q(vec![Dimension::Engine])).expect("report");
+        let got: Vec<(&str, u64)> = rows
+            .iter()
+            .map(|r| (r.group[0].1.as_str(), r.count))
+            .collect();
+        assert_eq!(got, [("sglang", 2), ("vllm", 3), (NONE_LABEL, 1)]);
+        assert_eq!(
+            "kv_band".parse::<Dimension>().expect("parse"),
+            Dimension::KvUsageBand
+        );
+        assert_eq!(
+            "engine_kv_usage".parse::<Dimension>().expect("alias"),
+            Dimension::KvUsageBand
+        );
+    }
+
+    #[test]
+    fn report_reflects_late_engine_updates() {
+        let mut s = phase_fixture();
+        let before = run_report(&s, &q(vec![])).expect("report");
+        assert_eq!(before[0].queue.n, 4);
+        let update = |id: &str, queue: f64| tokenscope_core::PhaseUpdate {
+            trace_id: format!("trace-{id}"),
+            queue_duration_ms: Some(queue),
+            ..tokenscope_core::PhaseUpdate::default()
+        };
+        // Row 4 gains a queue time, row 2's is corrected.
+        s.apply_updates(&[update("4", 100.0), update("2", 50.0)])
+            .expect("update");
+        let after = run_report(&s, &q(vec![])).expect("report");
+        let r = &after[0];
+        // queue: 10, 50, 40, 100, 30 → 10, 30, 40, 50, 100.
+        assert_eq!(r.queue.n, 5);
+        assert_eq!((r.queue.p50, r.queue.p99), (Some(40.0), Some(100.0)));
+        // Rows with both: 1, 2, 4, 5 → (10+50+100+30) / (100+300+200+50).
+        assert_eq!(r.queue_share_of_ttft, Some(190.0 / 650.0));
+    }
+
+    #[test]
+    fn render_phase_fields() {
+        let s = phase_fixture();
+        let query = q(vec![Dimension::Engine]);
+        let rows = run_report(&s, &query).expect("report");
+        let json = render(&rows, &query, Format::Json);
+        let v: serde_json::Value = serde_json::from_str(&json).expect("json");
+        let vllm = &v[1];
+        assert_eq!(vllm["engine"], "vllm");
+        assert_eq!(vllm["queue_n"], 2);
+        assert_eq!(vllm["queue_p50_ms"], 10.0);
+        assert_eq!(vllm["queue_p99_ms"], 150.0);
+        assert_eq!(vllm["prefill_p50_ms"], 80.0);
+        assert_eq!(vllm["decode_p99_ms"], 3000.0);
+        assert_eq!(vllm["queue_share_of_ttft"], 160.0 / 400.0);
+        assert!(v[0]["queue_share_of_ttft"].is_null());
+        let csv = render(&rows, &query, Format::Csv);
+        let header: Vec<&str> = csv.lines().next().expect("header").split(',').collect();
+        // New fields are appended after the v1 ones, which keep their positions.
+        let tail: Vec<&str> = header[header.len() - 19..].to_vec();
+        assert_eq!(
+            tail,
+            [
+                "queue_n",
+                "queue_p50_ms",
+                "queue_p90_ms",
+                "queue_p95_ms",
+                "queue_p99_ms",
+                "queue_mean_ms",
+                "prefill_n",
+                "prefill_p50_ms",
+                "prefill_p90_ms",
+                "prefill_p95_ms",
+                "prefill_p99_ms",
+                "prefill_mean_ms",
+                "decode_n",
+                "decode_p50_ms",
+                "decode_p90_ms",
+                "decode_p95_ms",
+                "decode_p99_ms",
+                "decode_mean_ms",
+                "queue_share_of_ttft",
+            ]
+        );
+        assert_eq!(header[header.len() - 20], "cached_tokens");
+        let vllm_line = csv
+            .lines()
+            .find(|l| l.starts_with("vllm,"))
+            .expect("vllm row");
+        assert!(vllm_line.ends_with(",0.4"), "{vllm_line}");
+        let table = render(&rows, &query, Format::Table);
+        for h in [
+            "queue p50",
+            "queue p99",
+            "prefill p99",
+            "decode p50",
+            "queue % ttft",
+        ] {
+            assert!(table.contains(h), "{h} missing:\n{table}");
+        }
+        assert!(!table.contains("queue p95"));
+        assert!(table.contains("40.0"), "{table}"); // the vllm queue share in percent
+                                                    // Without any phase value the table keeps its old width.
+        let plain = fixture();
+        let rows = run_report(&plain, &q(vec![])).expect("report");
+        let table = render(&rows, &q(vec![]), Format::Table);
+        assert!(!table.contains("queue p50"));
+        assert!(table.contains("ttft p95"));
     }
 
     #[test]
@@ -1609,6 +2099,68 @@ mod tests {
             }
             let total: u64 = out.iter().map(|r| r.count).sum();
             prop_assert_eq!(total, recs.len() as u64);
+        }
+
+        #[test]
+        fn phase_quantiles_and_share_match_naive(
+            rows in prop::collection::vec(
+                (
+                    prop::option::of(0.0f64..5000.0),
+                    prop::option::of(0.0f64..2000.0),
+                    prop::option::of(0.0f64..3000.0),
+                    prop::option::of(-0.2f64..1.2),
+                ),
+                1..150,
+            ),
+        ) {
+            let mut s = SqliteStore::open_in_memory().expect("open");
+            let recs: Vec<RequestRecord> = rows
+                .iter()
+                .enumerate()
+                .map(|(i, (ttft, queue, prefill, kv))| {
+                    let mut r = mk(&i.to_string(), T0 + i as i64, "m", None, Outcome::Ok, *ttft, 1.0, None);
+                    r.queue_duration_ms = *queue;
+                    r.prefill_duration_ms = *prefill;
+                    r.decode_duration_ms = queue.zip(*prefill).map(|(a, b)| a + b);
+                    r.engine_kv_usage = *kv;
+                    r
+                })
+                .collect();
+            s.insert_batch(&recs).expect("insert");
+            let out = run_report(&s, &q(vec![Dimension::KvUsageBand])).expect("report");
+            let total: u64 = out.iter().map(|r| r.count).sum();
+            prop_assert_eq!(total, recs.len() as u64);
+            for r in &out {
+                let band = r.group[0].1.as_str();
+                let members: Vec<&RequestRecord> = recs
+                    .iter()
+                    .filter(|x| kv_band(x.engine_kv_usage) == band)
+                    .collect();
+                prop_assert_eq!(r.count, members.len() as u64);
+                for (qs, get) in [
+                    (&r.queue, (|x: &RequestRecord| x.queue_duration_ms) as fn(&RequestRecord) -> Option<f64>),
+                    (&r.prefill, |x: &RequestRecord| x.prefill_duration_ms),
+                    (&r.decode, |x: &RequestRecord| x.decode_duration_ms),
+                ] {
+                    let vals: Vec<f64> = members.iter().filter_map(|x| get(x)).collect();
+                    prop_assert_eq!(qs.n, vals.len() as u64);
+                    if vals.is_empty() {
+                        prop_assert_eq!(qs.p50, None);
+                    } else {
+                        prop_assert_eq!(qs.p50, Some(naive(&vals, 50)));
+                        prop_assert_eq!(qs.p99, Some(naive(&vals, 99)));
+                    }
+                }
+                let both: Vec<(f64, f64)> = members
+                    .iter()
+                    .filter_map(|x| x.queue_duration_ms.zip(x.ttft_ms))
+                    .collect();
+                let (sq, st) = both.iter().fold((0.0, 0.0), |(a, b), (q, t)| (a + q, b + t));
+                match r.queue_share_of_ttft {
+                    None => prop_assert!(both.is_empty() || st == 0.0),
+                    Some(share) => prop_assert!((share - sq / st).abs() <= 1e-9 * (sq / st).max(1.0)),
+                }
+            }
         }
     }
 }

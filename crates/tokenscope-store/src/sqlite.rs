@@ -46,12 +46,15 @@
 #![doc = concat!("```sql\n", include_str!("sql/mean_ttft_by_bucket.sql"), "```")]
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rusqlite::types::Type;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension, Row, TransactionBehavior};
-use tokenscope_core::{Endpoint, InputBucket, Outcome, PhaseSource, RequestRecord, TokenSource};
+use tokenscope_core::{
+    Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
+};
 
+use crate::pending::{merge, PendingUpdates, UnmatchedCounts};
 use crate::StoreError;
 
 /// Name of the per-request table.
@@ -68,7 +71,7 @@ pub const SQL_USER_TOKENS_PER_DAY: &str = include_str!("sql/user_tokens_per_day.
 pub const SQL_MEAN_TTFT_BY_BUCKET: &str = include_str!("sql/mean_ttft_by_bucket.sql");
 
 /// Every column of [`TABLE`], in the order [`record_from_row`] expects them.
-pub const COLUMNS: [&str; 43] = [
+pub const COLUMNS: [&str; 50] = [
     "request_id",
     "trace_id",
     "created_at",
@@ -112,6 +115,13 @@ pub const COLUMNS: [&str; 43] = [
     "prompt_text",
     "draft_tokens",
     "draft_accepted_tokens",
+    "engine",
+    "input_tokens_entry",
+    "engine_running",
+    "engine_waiting",
+    "engine_kv_usage",
+    "gpu_utilization",
+    "gpu_memory_bandwidth",
 ];
 
 /// Ordered schema migrations: entry `i` takes the schema from version `i` to `i + 1`.
@@ -176,6 +186,25 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX idx_log_tenant_time ON llm_inference_log (tenant, created_at);
     CREATE INDEX idx_log_business_line_time ON llm_inference_log (business_line, created_at);
     CREATE INDEX idx_log_prompt_hash ON llm_inference_log (prompt_hash);",
+    // v2: engine adapter, entry token count, engine/GPU state at arrival; the covering time
+    // index is rebuilt with the phase columns and the engine dimensions the report reads; a
+    // trace_id index for late engine updates (`PhaseUpdate`, joined by trace id).
+    "ALTER TABLE llm_inference_log ADD COLUMN engine TEXT;
+    ALTER TABLE llm_inference_log ADD COLUMN input_tokens_entry INTEGER;
+    ALTER TABLE llm_inference_log ADD COLUMN engine_running REAL;
+    ALTER TABLE llm_inference_log ADD COLUMN engine_waiting REAL;
+    ALTER TABLE llm_inference_log ADD COLUMN engine_kv_usage REAL;
+    ALTER TABLE llm_inference_log ADD COLUMN gpu_utilization REAL;
+    ALTER TABLE llm_inference_log ADD COLUMN gpu_memory_bandwidth REAL;
+    DROP INDEX idx_log_created_at;
+    CREATE INDEX idx_log_created_at ON llm_inference_log (
+        created_at, outcome, ttft_ms, tpot_ms, total_duration_ms,
+        input_tokens, output_tokens, cached_tokens,
+        queue_duration_ms, prefill_duration_ms, decode_duration_ms,
+        model, input_bucket, user_id, tenant, business_line, request_type,
+        endpoint, upstream, stream, engine, engine_kv_usage
+    );
+    CREATE INDEX idx_log_trace_id ON llm_inference_log (trace_id);",
 ];
 
 /// The schema version this build writes and understands.
@@ -189,6 +218,8 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct SqliteStore {
     conn: Connection,
     path: PathBuf,
+    /// Engine updates whose row has not been inserted yet (writer side only).
+    pending: PendingUpdates,
 }
 
 impl SqliteStore {
@@ -227,7 +258,11 @@ impl SqliteStore {
         conn.pragma_update(None, "journal_size_limit", 64_i64 << 20)?;
         conn.set_prepared_statement_cache_capacity(32);
         migrate(&mut conn)?;
-        Ok(Self { conn, path })
+        Ok(Self {
+            conn,
+            path,
+            pending: PendingUpdates::default(),
+        })
     }
 
     /// Opens an existing database read-only (reports). Never creates or migrates anything;
@@ -256,6 +291,7 @@ impl SqliteStore {
         Ok(Self {
             conn,
             path: path.to_path_buf(),
+            pending: PendingUpdates::default(),
         })
     }
 
@@ -332,11 +368,109 @@ impl SqliteStore {
                     r.prompt_text,
                     opt_i64(r.draft_tokens),
                     opt_i64(r.draft_accepted_tokens),
+                    r.engine,
+                    opt_i64(r.input_tokens_entry),
+                    r.engine_running,
+                    r.engine_waiting,
+                    r.engine_kv_usage,
+                    r.gpu_utilization,
+                    r.gpu_memory_bandwidth,
                 ])?;
             }
         }
+        // Engine updates that arrived before their row: apply them in the same transaction,
+        // forget them only once it committed (a failed batch is retried with them).
+        let mut matched: Vec<&str> = Vec::new();
+        if !self.pending.is_empty() {
+            for r in records {
+                if let Some(u) = self.pending.get(&r.trace_id) {
+                    if !matched.contains(&r.trace_id.as_str()) {
+                        apply_one(&tx, u)?;
+                        matched.push(&r.trace_id);
+                    }
+                }
+            }
+        }
         tx.commit()?;
+        for id in matched {
+            self.pending.take(id);
+        }
         Ok(inserted)
+    }
+
+    /// Applies late engine values ([`PhaseUpdate`]) to the rows with the same `trace_id`, in
+    /// one transaction: each `Some` phase replaces the stored one and its `*_source` becomes
+    /// `engine`; `input_tokens` / `output_tokens` are filled only where the row has `NULL`
+    /// (source `engine`; `input_bucket` follows a filled `input_tokens`). Non-finite or
+    /// negative durations are ignored. Idempotent: applying the same update twice leaves the
+    /// same row.
+    ///
+    /// An update that matches no row (its record is still on its way) is kept in the
+    /// bounded pending map and applied when a row with its trace id is inserted (see
+    /// [`crate::pending`]); returns how many updates matched a row now. Updates with an
+    /// empty trace id are ignored.
+    pub fn apply_updates(&mut self, updates: &[PhaseUpdate]) -> Result<usize, StoreError> {
+        let now = Instant::now();
+        self.pending.expire(now);
+        if updates.is_empty() {
+            return Ok(0);
+        }
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let mut unmatched: Vec<PhaseUpdate> = Vec::new();
+        let mut applied: Vec<String> = Vec::new();
+        for u in updates {
+            if u.trace_id.is_empty() {
+                continue;
+            }
+            let u = sanitize(u);
+            // Anything already waiting for this trace id goes first, the newer values win.
+            let u = match self.pending.get(&u.trace_id) {
+                Some(waiting) => {
+                    let mut merged = waiting.clone();
+                    merge(&mut merged, u);
+                    merged
+                }
+                None => u,
+            };
+            if apply_one(&tx, &u)? > 0 {
+                applied.push(u.trace_id);
+            } else {
+                unmatched.push(u);
+            }
+        }
+        tx.commit()?;
+        for id in &applied {
+            self.pending.take(id);
+        }
+        for u in unmatched {
+            self.pending.insert(u, now);
+        }
+        Ok(applied.len())
+    }
+
+    /// Updates waiting in the pending map for their row.
+    pub fn pending_updates(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Sets the pending map's limits (default
+    /// [`DEFAULT_PENDING_CAPACITY`](crate::pending::DEFAULT_PENDING_CAPACITY) trace ids,
+    /// [`DEFAULT_PENDING_TTL`](crate::pending::DEFAULT_PENDING_TTL)); a smaller capacity evicts the oldest waiting updates
+    /// (counted as overflow).
+    pub fn set_pending_limits(&mut self, capacity: usize, ttl: Duration) {
+        self.pending.set_limits(capacity, ttl);
+    }
+
+    /// Pending updates given up on since the last call (expired now, evicted on overflow;
+    /// with `shutting_down`, every update still waiting, which is then forgotten).
+    pub fn take_unmatched(&mut self, shutting_down: bool) -> UnmatchedCounts {
+        self.pending.expire(Instant::now());
+        if shutting_down {
+            self.pending.drain_all();
+        }
+        self.pending.take_unmatched()
     }
 
     /// Inserts one record; `Ok(false)` when its `request_id` was already stored.
@@ -391,6 +525,55 @@ fn insert_sql() -> String {
         COLUMNS.join(", "),
         placeholders.join(", ")
     )
+}
+
+/// The late-engine-data statement (see [`SqliteStore::apply_updates`]). Parameters: 1 trace
+/// id, 2 queue, 3 prefill, 4 decode, 5 input tokens, 6 the input bucket of 5, 7 output tokens.
+/// Right-hand sides read the row's values from before the update.
+const UPDATE_SQL: &str = "UPDATE llm_inference_log SET
+    queue_duration_ms    = COALESCE(?2, queue_duration_ms),
+    queue_source         = CASE WHEN ?2 IS NULL THEN queue_source ELSE 'engine' END,
+    prefill_duration_ms  = COALESCE(?3, prefill_duration_ms),
+    prefill_source       = CASE WHEN ?3 IS NULL THEN prefill_source ELSE 'engine' END,
+    decode_duration_ms   = COALESCE(?4, decode_duration_ms),
+    decode_source        = CASE WHEN ?4 IS NULL THEN decode_source ELSE 'engine' END,
+    input_tokens_source  = CASE WHEN ?5 IS NOT NULL AND (input_tokens IS NULL OR input_tokens_source NOT IN ('usage', 'engine'))
+                                THEN 'engine' ELSE input_tokens_source END,
+    input_bucket         = CASE WHEN ?5 IS NOT NULL AND (input_tokens IS NULL OR input_tokens_source NOT IN ('usage', 'engine'))
+                                THEN ?6 ELSE input_bucket END,
+    input_tokens         = CASE WHEN ?5 IS NOT NULL AND (input_tokens IS NULL OR input_tokens_source NOT IN ('usage', 'engine'))
+                                THEN ?5 ELSE input_tokens END,
+    output_tokens_source = CASE WHEN ?7 IS NOT NULL AND (output_tokens IS NULL OR output_tokens_source NOT IN ('usage', 'engine'))
+                                THEN 'engine' ELSE output_tokens_source END,
+    output_tokens        = CASE WHEN ?7 IS NOT NULL AND (output_tokens IS NULL OR output_tokens_source NOT IN ('usage', 'engine'))
+                                THEN ?7 ELSE output_tokens END
+  WHERE trace_id = ?1";
+
+/// Runs [`UPDATE_SQL`] for one update; returns the number of rows it matched.
+fn apply_one(conn: &Connection, u: &PhaseUpdate) -> Result<usize, StoreError> {
+    let mut stmt = conn.prepare_cached(UPDATE_SQL)?;
+    Ok(stmt.execute(params![
+        u.trace_id,
+        u.queue_duration_ms,
+        u.prefill_duration_ms,
+        u.decode_duration_ms,
+        opt_i64(u.input_tokens),
+        u.input_tokens.map(|n| InputBucket::of(n).as_str()),
+        opt_i64(u.output_tokens),
+    ])?)
+}
+
+/// Drops durations that are not a finite, non-negative number of milliseconds.
+fn sanitize(u: &PhaseUpdate) -> PhaseUpdate {
+    let ok = |v: Option<f64>| v.filter(|m| m.is_finite() && *m >= 0.0);
+    PhaseUpdate {
+        trace_id: u.trace_id.clone(),
+        queue_duration_ms: ok(u.queue_duration_ms),
+        prefill_duration_ms: ok(u.prefill_duration_ms),
+        decode_duration_ms: ok(u.decode_duration_ms),
+        input_tokens: u.input_tokens,
+        output_tokens: u.output_tokens,
+    }
 }
 
 fn user_version(conn: &Connection) -> Result<u32, StoreError> {
@@ -526,6 +709,13 @@ pub fn record_from_row(row: &Row<'_>) -> rusqlite::Result<RequestRecord> {
         prompt_text: row.get(40)?,
         draft_tokens: get_u64(row, 41)?,
         draft_accepted_tokens: get_u64(row, 42)?,
+        engine: row.get(43)?,
+        input_tokens_entry: get_u64(row, 44)?,
+        engine_running: row.get(45)?,
+        engine_waiting: row.get(46)?,
+        engine_kv_usage: row.get(47)?,
+        gpu_utilization: row.get(48)?,
+        gpu_memory_bandwidth: row.get(49)?,
     })
 }
 
@@ -579,6 +769,13 @@ pub(crate) mod tests {
             prompt_text: Some("hello, \"world\" — ünïcode".to_owned()),
             draft_tokens: Some(40),
             draft_accepted_tokens: Some(31),
+            engine: Some("vllm".to_owned()),
+            input_tokens_entry: Some(1230),
+            engine_running: Some(17.0),
+            engine_waiting: Some(3.0),
+            engine_kv_usage: Some(0.8125),
+            gpu_utilization: Some(0.9375),
+            gpu_memory_bandwidth: Some(0.625),
         }
     }
 
@@ -761,6 +958,328 @@ pub(crate) mod tests {
             .execute("UPDATE llm_inference_log SET outcome = 'weird'", [])
             .expect("update");
         assert!(store.get("z").is_err());
+    }
+
+    /// A database exactly as schema v1 left it, with one row written by v1.
+    fn v1_database(path: &Path) {
+        let conn = Connection::open(path).expect("raw");
+        conn.execute_batch(MIGRATIONS[0]).expect("v1 schema");
+        conn.pragma_update(None, "user_version", 1).expect("v1");
+        conn.execute(
+            "INSERT INTO llm_inference_log (request_id, trace_id, created_at, model, upstream,
+                request_type, endpoint, stream, http_status, outcome, input_tokens_source,
+                output_tokens_source, queue_source, prefill_source, decode_source,
+                total_duration_ms, ttft_ms, queue_duration_ms)
+             VALUES ('old', 'aaaa', 5, 'm', 'u', 'chat', 'chat_completions', 1, 200, 'ok',
+                'usage', 'usage', 'derived', 'none', 'none', 10.0, 8.0, 2.0)",
+            [],
+        )
+        .expect("v1 row");
+    }
+
+    #[test]
+    fn v1_database_migrates_to_v2_on_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v1.db");
+        v1_database(&path);
+        // A read-only open of a v1 file works (no new columns are needed to read it)…
+        assert_eq!(
+            SqliteStore::open_read_only(&path)
+                .expect("ro")
+                .schema_version()
+                .expect("v"),
+            1
+        );
+        // …and a writer migrates it.
+        let mut store = SqliteStore::open(&path).expect("migrate");
+        assert_eq!(store.schema_version().expect("v"), 2);
+        let old = store.get("old").expect("get").expect("row kept");
+        assert_eq!(old.ttft_ms, Some(8.0));
+        assert_eq!(old.queue_source, PhaseSource::Derived);
+        assert_eq!(
+            (old.engine, old.engine_kv_usage, old.input_tokens_entry),
+            (None, None, None)
+        );
+        // New rows carry every new field.
+        store.insert(&full_record("new")).expect("insert");
+        assert_eq!(store.get("new").expect("get"), Some(full_record("new")));
+        // The covering index was rebuilt with the phase and engine columns; trace id indexed.
+        let cols: Vec<String> = store
+            .conn()
+            .prepare("SELECT name FROM pragma_index_info('idx_log_created_at') ORDER BY seqno")
+            .expect("prepare")
+            .query_map([], |r| r.get(0))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("cols");
+        for c in [
+            "created_at",
+            "queue_duration_ms",
+            "prefill_duration_ms",
+            "decode_duration_ms",
+            "engine",
+            "engine_kv_usage",
+        ] {
+            assert!(cols.iter().any(|x| x == c), "{c} missing from {cols:?}");
+        }
+        assert_eq!(cols.len(), 22);
+        let plan = query_plan(
+            store.conn(),
+            "SELECT request_id FROM llm_inference_log WHERE trace_id = ?1",
+        );
+        assert!(plan.contains("idx_log_trace_id"), "{plan}");
+        // A late update reaches the migrated row.
+        store
+            .apply_updates(&[PhaseUpdate {
+                trace_id: "aaaa".to_owned(),
+                queue_duration_ms: Some(3.0),
+                ..PhaseUpdate::default()
+            }])
+            .expect("update");
+        let old = store.get("old").expect("get").expect("row");
+        assert_eq!(
+            (old.queue_duration_ms, old.queue_source),
+            (Some(3.0), PhaseSource::Engine)
+        );
+        drop(store);
+        // Reopening is a no-op.
+        let store = SqliteStore::open(&path).expect("reopen");
+        assert_eq!(store.schema_version().expect("v"), 2);
+        assert_eq!(store.count().expect("count"), 2);
+    }
+
+    fn engine_update(trace: &str) -> PhaseUpdate {
+        PhaseUpdate {
+            trace_id: trace.to_owned(),
+            queue_duration_ms: Some(40.0),
+            prefill_duration_ms: Some(55.5),
+            decode_duration_ms: None,
+            input_tokens: Some(700),
+            output_tokens: Some(99),
+        }
+    }
+
+    /// A record as the gateway writes it before the engine span arrives: derived queue, no
+    /// prefill, no token counts.
+    fn gateway_record(id: &str, trace: &str) -> RequestRecord {
+        let mut r = sparse_record(id);
+        r.trace_id = trace.to_owned();
+        r.ttft_ms = Some(120.0);
+        r.queue_duration_ms = Some(10.0);
+        r.queue_source = PhaseSource::Derived;
+        r.decode_duration_ms = Some(500.0);
+        r.decode_source = PhaseSource::Engine;
+        r.output_tokens = Some(12);
+        r.output_tokens_source = TokenSource::Chunks;
+        r.input_bucket = Some(InputBucket::B0To128); // from the entry estimate
+        r
+    }
+
+    /// What [`gateway_record`] becomes once [`engine_update`] is applied.
+    fn joined_record(id: &str, trace: &str) -> RequestRecord {
+        let mut r = gateway_record(id, trace);
+        r.queue_duration_ms = Some(40.0);
+        r.queue_source = PhaseSource::Engine;
+        r.prefill_duration_ms = Some(55.5);
+        r.prefill_source = PhaseSource::Engine;
+        // decode: None in the update → unchanged.
+        r.input_tokens = Some(700);
+        r.input_tokens_source = TokenSource::Engine;
+        r.input_bucket = Some(InputBucket::B512To2048);
+        // output tokens were only counted from chunks → the engine's count replaces them
+        // (a count from `usage` or the engine itself would be kept).
+        r.output_tokens = Some(99);
+        r.output_tokens_source = TokenSource::Engine;
+        r
+    }
+
+    #[test]
+    fn update_after_insert() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        store
+            .insert_batch(&[gateway_record("a", "t1"), gateway_record("b", "t2")])
+            .expect("insert");
+        let n = store.apply_updates(&[engine_update("t1")]).expect("update");
+        assert_eq!(n, 1);
+        assert_eq!(store.get("a").expect("get"), Some(joined_record("a", "t1")));
+        // The other row is untouched.
+        assert_eq!(
+            store.get("b").expect("get"),
+            Some(gateway_record("b", "t2"))
+        );
+        assert_eq!(store.pending_updates(), 0);
+        assert_eq!(store.take_unmatched(false), UnmatchedCounts::default());
+    }
+
+    #[test]
+    fn update_keeps_usage_counts() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        let mut r = gateway_record("a", "t1");
+        r.input_tokens = Some(5);
+        r.input_tokens_source = TokenSource::Usage;
+        r.output_tokens_source = TokenSource::Usage;
+        store.insert_batch(&[r]).expect("insert");
+        store.apply_updates(&[engine_update("t1")]).expect("update");
+        let got = store.get("a").expect("get").expect("row");
+        assert_eq!(
+            (got.input_tokens, got.input_tokens_source),
+            (Some(5), TokenSource::Usage)
+        );
+        assert_eq!(
+            (got.output_tokens, got.output_tokens_source),
+            (Some(12), TokenSource::Usage)
+        );
+        assert_eq!(got.queue_duration_ms, Some(40.0));
+    }
+
+    #[test]
+    fn update_before_insert_is_applied_on_insert() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        // Two partial spans for the same trace, both before the record.
+        let mut first = engine_update("t1");
+        first.prefill_duration_ms = None;
+        let second = PhaseUpdate {
+            trace_id: "t1".to_owned(),
+            prefill_duration_ms: Some(55.5),
+            ..PhaseUpdate::default()
+        };
+        assert_eq!(store.apply_updates(&[first]).expect("update"), 0);
+        assert_eq!(store.apply_updates(&[second]).expect("update"), 0);
+        assert_eq!(store.pending_updates(), 1);
+        store
+            .insert(&gateway_record("other", "t9"))
+            .expect("insert");
+        assert_eq!(store.pending_updates(), 1);
+        store.insert(&gateway_record("a", "t1")).expect("insert");
+        assert_eq!(store.pending_updates(), 0);
+        assert_eq!(store.get("a").expect("get"), Some(joined_record("a", "t1")));
+        assert_eq!(store.take_unmatched(true), UnmatchedCounts::default());
+    }
+
+    #[test]
+    fn failed_insert_keeps_pending_update() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        store.apply_updates(&[engine_update("t1")]).expect("update");
+        // A batch that fails (NOT NULL violated by a broken row) rolls back entirely…
+        store
+            .conn()
+            .execute_batch(
+                "CREATE TRIGGER boom BEFORE INSERT ON llm_inference_log
+                 WHEN NEW.request_id = 'bad' BEGIN SELECT RAISE(ABORT, 'boom'); END;",
+            )
+            .expect("trigger");
+        let batch = [gateway_record("a", "t1"), gateway_record("bad", "t2")];
+        assert!(store.insert_batch(&batch).is_err());
+        assert_eq!(store.count().expect("count"), 0);
+        // …and the update still waits for the retry.
+        assert_eq!(store.pending_updates(), 1);
+        store
+            .conn()
+            .execute_batch("DROP TRIGGER boom")
+            .expect("drop");
+        store.insert_batch(&batch).expect("retry");
+        assert_eq!(store.get("a").expect("get"), Some(joined_record("a", "t1")));
+        assert_eq!(store.pending_updates(), 0);
+    }
+
+    #[test]
+    fn updates_are_idempotent() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        store.insert(&gateway_record("a", "t1")).expect("insert");
+        for _ in 0..3 {
+            store
+                .apply_updates(&[engine_update("t1"), engine_update("t1")])
+                .expect("update");
+            assert_eq!(store.get("a").expect("get"), Some(joined_record("a", "t1")));
+        }
+        // A later update with other token counts does not overwrite filled ones.
+        let mut later = engine_update("t1");
+        later.input_tokens = Some(5);
+        later.queue_duration_ms = Some(41.0);
+        store.apply_updates(&[later]).expect("update");
+        let got = store.get("a").expect("get").expect("row");
+        assert_eq!(
+            (got.input_tokens, got.queue_duration_ms),
+            (Some(700), Some(41.0))
+        );
+    }
+
+    #[test]
+    fn update_ignores_bad_values_and_empty_trace() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        store.insert(&gateway_record("a", "t1")).expect("insert");
+        let bad = PhaseUpdate {
+            trace_id: "t1".to_owned(),
+            queue_duration_ms: Some(f64::NAN),
+            prefill_duration_ms: Some(-1.0),
+            decode_duration_ms: Some(f64::INFINITY),
+            input_tokens: None,
+            output_tokens: None,
+        };
+        let empty = PhaseUpdate::default();
+        assert_eq!(store.apply_updates(&[bad, empty]).expect("update"), 1);
+        assert_eq!(
+            store.get("a").expect("get"),
+            Some(gateway_record("a", "t1"))
+        );
+        assert_eq!(store.pending_updates(), 0);
+        assert_eq!(store.apply_updates(&[]).expect("empty"), 0);
+    }
+
+    #[test]
+    fn update_applies_to_every_row_of_the_trace() {
+        // A client that propagates one traceparent over several requests: the span cannot
+        // tell them apart, every row of the trace gets the values (documented limitation).
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        store
+            .insert_batch(&[gateway_record("a", "t1"), gateway_record("b", "t1")])
+            .expect("insert");
+        assert_eq!(
+            store.apply_updates(&[engine_update("t1")]).expect("update"),
+            1
+        );
+        assert_eq!(store.get("a").expect("get"), Some(joined_record("a", "t1")));
+        assert_eq!(store.get("b").expect("get"), Some(joined_record("b", "t1")));
+    }
+
+    #[test]
+    fn pending_overflow_and_expiry_are_reported() {
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        store.set_pending_limits(2, Duration::from_secs(600));
+        let ups: Vec<PhaseUpdate> = (0..5).map(|i| engine_update(&format!("t{i}"))).collect();
+        store.apply_updates(&ups).expect("update");
+        assert_eq!(store.pending_updates(), 2);
+        assert_eq!(
+            store.take_unmatched(false),
+            UnmatchedCounts {
+                overflow: 3,
+                ..UnmatchedCounts::default()
+            }
+        );
+        // The two newest still wait and are applied on insert.
+        store.insert(&gateway_record("x", "t4")).expect("insert");
+        assert_eq!(
+            store
+                .get("x")
+                .expect("get")
+                .and_then(|r| r.prefill_duration_ms),
+            Some(55.5)
+        );
+        // TTL 0: everything waiting expires at the next look.
+        store.set_pending_limits(2, Duration::ZERO);
+        assert_eq!(
+            store.take_unmatched(false),
+            UnmatchedCounts {
+                expired: 1,
+                ..UnmatchedCounts::default()
+            }
+        );
+        assert_eq!(store.pending_updates(), 0);
+        // Shutdown reports what still waits.
+        store.set_pending_limits(10, Duration::from_secs(600));
+        store.apply_updates(&ups[..2]).expect("update");
+        assert_eq!(store.take_unmatched(true).shutdown, 2);
+        assert_eq!(store.pending_updates(), 0);
     }
 
     const DAY_US: i64 = 86_400_000_000;

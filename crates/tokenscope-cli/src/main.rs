@@ -68,7 +68,7 @@ struct ReportArgs {
     #[arg(long)]
     until: Option<String>,
     /// Group by (comma-separated): model, input_bucket, user, tenant, business_line,
-    /// request_type, status, endpoint, upstream, stream.
+    /// request_type, status, endpoint, upstream, stream, engine, kv_band, gpu_band.
     #[arg(long, value_delimiter = ',')]
     by: Vec<String>,
     /// Split the window into buckets of this length (e.g. 1h, 1d).

@@ -20,15 +20,35 @@
 //!   batch (a retry after an ambiguous failure) never doubles a row.
 //! * [`SqliteStore::insert_batch`] writes a whole batch in one transaction with one cached
 //!   prepared statement: a batch is all-or-nothing.
+//! * Late engine values ([`PhaseUpdate`]) are joined by `trace_id`
+//!   ([`SqliteStore::apply_updates`]): a `Some` phase overwrites the stored one with source
+//!   `engine`; an engine token count replaces a stored one unless that one came from `usage`
+//!   or the engine already. An update that finds no row waits in a bounded,
+//!   TTL-limited in-memory map ([`crate::pending`]) and is applied inside the transaction
+//!   that inserts a row with its trace id — removed from the map only once that transaction
+//!   committed. Applying an update twice gives the same row. If a client reuses one trace id
+//!   for several requests, an update reaches every row of that trace (the span carries
+//!   nothing finer to join on).
+//!
+//! ## Schema versions
+//!
+//! * v1 — the table and its indexes.
+//! * v2 — columns `engine TEXT`, `input_tokens_entry INTEGER`, `engine_running REAL`,
+//!   `engine_waiting REAL`, `engine_kv_usage REAL`, `gpu_utilization REAL`,
+//!   `gpu_memory_bandwidth REAL` (`ALTER TABLE … ADD COLUMN`: existing rows read `NULL`);
+//!   `idx_log_created_at` rebuilt (`DROP` + `CREATE`) with the phase columns and the
+//!   `engine` / `engine_kv_usage` dimensions the report reads; new `idx_log_trace_id`.
+//!   Migrating an existing file rebuilds that index once (a full scan of the table, inside
+//!   the migration transaction).
 //!
 //! Indexes: `created_at` (leading column of `idx_log_created_at`, which also carries every
 //! column a [report](crate::report) reads, so a report is one sequential scan of that index
 //! and never touches the wide table rows); `(model, created_at)`; `(user_id, created_at)`;
-//! `(tenant, created_at)`; `(business_line, created_at)`; `prompt_hash`.
+//! `(tenant, created_at)`; `(business_line, created_at)`; `prompt_hash`; `trace_id`.
 //!
-//! Write cost: the per-dimension and `prompt_hash` indexes receive scattered inserts (one
-//! insertion point per distinct user / prompt), so a 1024-row batch dirties hundreds of index
-//! pages. The writer therefore checkpoints every 32 MiB of WAL instead of SQLite's default
+//! Write cost: the per-dimension, `prompt_hash` and `trace_id` indexes receive scattered
+//! inserts (one insertion point per distinct user / prompt, and per row for the random trace
+//! ids), so a 1024-row batch dirties hundreds of index pages. The writer therefore checkpoints every 32 MiB of WAL instead of SQLite's default
 //! 4 MiB; see `docs/benchmarks.md` for measured throughput.
 //!
 //! ## Two questions, one SQL statement each
@@ -45,6 +65,7 @@
 //!
 #![doc = concat!("```sql\n", include_str!("sql/mean_ttft_by_bucket.sql"), "```")]
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -266,7 +287,8 @@ impl SqliteStore {
     }
 
     /// Opens an existing database read-only (reports). Never creates or migrates anything;
-    /// refuses a file without the tokenscope schema or with a newer one.
+    /// refuses a file without the tokenscope schema, with a newer one, or with an older one
+    /// ([`StoreError::SchemaTooOld`]: open it read-write once to migrate).
     pub fn open_read_only(path: impl AsRef<Path>) -> Result<Self, StoreError> {
         let path = path.as_ref();
         let conn = Connection::open_with_flags(
@@ -285,6 +307,14 @@ impl SqliteStore {
             return Err(StoreError::SchemaTooNew {
                 found: version,
                 supported: SCHEMA_VERSION,
+            });
+        }
+        if version < SCHEMA_VERSION {
+            // The reads name columns an older file lacks: say so instead of failing later
+            // with "no such column".
+            return Err(StoreError::SchemaTooOld {
+                found: version,
+                expected: SCHEMA_VERSION,
             });
         }
         conn.set_prepared_statement_cache_capacity(32);
@@ -380,13 +410,12 @@ impl SqliteStore {
         }
         // Engine updates that arrived before their row: apply them in the same transaction,
         // forget them only once it committed (a failed batch is retried with them).
-        let mut matched: Vec<&str> = Vec::new();
+        let mut matched: HashSet<&str> = HashSet::new();
         if !self.pending.is_empty() {
             for r in records {
                 if let Some(u) = self.pending.get(&r.trace_id) {
-                    if !matched.contains(&r.trace_id.as_str()) {
+                    if matched.insert(&r.trace_id) {
                         apply_one(&tx, u)?;
-                        matched.push(&r.trace_id);
                     }
                 }
             }
@@ -400,9 +429,11 @@ impl SqliteStore {
 
     /// Applies late engine values ([`PhaseUpdate`]) to the rows with the same `trace_id`, in
     /// one transaction: each `Some` phase replaces the stored one and its `*_source` becomes
-    /// `engine`; `input_tokens` / `output_tokens` are filled only where the row has `NULL`
-    /// (source `engine`; `input_bucket` follows a filled `input_tokens`). Non-finite or
-    /// negative durations are ignored. Idempotent: applying the same update twice leaves the
+    /// `engine`; an engine `input_tokens` / `output_tokens` replaces the stored count unless
+    /// that count's source is already `usage` or `engine` (authoritative), i.e. it fills a
+    /// `NULL` and replaces a `tokenizer` / `chunks` / `estimate` count; the source becomes
+    /// `engine` and `input_bucket` follows a replaced `input_tokens`. Non-finite or negative
+    /// durations are ignored. Idempotent: applying the same update twice leaves the
     /// same row.
     ///
     /// An update that matches no row (its record is still on its way) is kept in the
@@ -982,14 +1013,15 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("v1.db");
         v1_database(&path);
-        // A read-only open of a v1 file works (no new columns are needed to read it)…
-        assert_eq!(
-            SqliteStore::open_read_only(&path)
-                .expect("ro")
-                .schema_version()
-                .expect("v"),
-            1
-        );
+        // A read-only open of a v1 file is refused with a clear error (the reads name v2
+        // columns)…
+        assert!(matches!(
+            SqliteStore::open_read_only(&path),
+            Err(StoreError::SchemaTooOld {
+                found: 1,
+                expected: 2
+            })
+        ));
         // …and a writer migrates it.
         let mut store = SqliteStore::open(&path).expect("migrate");
         assert_eq!(store.schema_version().expect("v"), 2);
@@ -1042,10 +1074,12 @@ pub(crate) mod tests {
             (Some(3.0), PhaseSource::Engine)
         );
         drop(store);
-        // Reopening is a no-op.
+        // Reopening is a no-op; readers are accepted now.
         let store = SqliteStore::open(&path).expect("reopen");
         assert_eq!(store.schema_version().expect("v"), 2);
         assert_eq!(store.count().expect("count"), 2);
+        let reader = SqliteStore::open_read_only(&path).expect("ro after migration");
+        assert_eq!(reader.count().expect("count"), 2);
     }
 
     fn engine_update(trace: &str) -> PhaseUpdate {

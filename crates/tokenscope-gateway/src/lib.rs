@@ -195,6 +195,14 @@ impl PipelineObserver for MetricsObserver {
         self.0.store_write_error();
         self.0.record_dropped("write_failed", rows as u64, true);
     }
+    fn on_update_unmatched(
+        &self,
+        reason: tokenscope_store::pending::UnmatchedReason,
+        updates: u64,
+    ) {
+        self.0
+            .engine_update_unmatched(&format!("{reason:?}").to_ascii_lowercase(), updates);
+    }
 }
 
 impl RecordOut for Recorder {

@@ -16,8 +16,11 @@
 //!
 //! The data is deterministic (fixed-seed xorshift): 5 models with skewed popularity, 500
 //! users (skewed), 8 tenants, 5 business lines, 75 % streamed, ~5 % errors, input lengths
-//! spread over the four buckets, TTFT growing with input length, time-ordered ids like the
-//! gateway's UUIDv7s.
+//! spread over the four buckets, TTFT growing with input length, engine phases, engine and GPU
+//! state at arrival (KV usage skewed high: all four KV bands), random trace ids, time-ordered
+//! ids like the gateway's UUIDv7s. After the inserts, late engine updates go through
+//! `apply_updates`; reports (a)–(d) include the phase split and an `engine,kv_band` grouping;
+//! the pipeline run mixes in engine updates (some before their record).
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -379,7 +382,7 @@ fn reports(
 ) -> Result<(), Box<dyn std::error::Error>> {
     let reader = SqliteStore::open_read_only(path)?;
     let day = Duration::from_secs(86_400);
-    let cases: [(&str, Vec<Dimension>, Option<Duration>); 4] = [
+    let cases: [(&str, Vec<Dimension>, Option<Duration>); 5] = [
         ("(a) group by model", vec![Dimension::Model], None),
         (
             "(b) group by model,input_bucket, interval 1d",
@@ -392,6 +395,7 @@ fn reports(
             vec![Dimension::Engine, Dimension::KvUsageBand],
             None,
         ),
+        ("(e) group by gpu_band", vec![Dimension::GpuBand], None),
     ];
     println!(
         "== reports over all {} rows ({} runs each)",

@@ -131,6 +131,14 @@ pub struct Metrics {
     gateway_overhead: Histogram,
     upstream_bytes: Counter<u64, AtomicU64>,
     token_mismatch: Family<ModelLabels, Counter>,
+    updates_unmatched: Family<UnmatchedLabels, Counter>,
+}
+
+/// `{reason}` for late engine updates that never found their row.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UnmatchedLabels {
+    /// `overflow`, `expired`, `shutdown` or `writefailed`.
+    pub reason: String,
 }
 
 impl Metrics {
@@ -191,6 +199,12 @@ impl Metrics {
         ]);
         let upstream_bytes = Counter::<u64, AtomicU64>::default();
         let token_mismatch = Family::<ModelLabels, Counter>::default();
+        let updates_unmatched = Family::<UnmatchedLabels, Counter>::default();
+        registry.register(
+            "tokenscope_engine_updates_unmatched",
+            "Late engine span updates that never found their record, by reason",
+            updates_unmatched.clone(),
+        );
         registry.register(
             "llm_token_count_mismatch",
             "Requests whose entry tokenizer count disagreed with the engine's usage beyond the tolerance",
@@ -263,6 +277,7 @@ impl Metrics {
             gateway_overhead,
             upstream_bytes,
             token_mismatch,
+            updates_unmatched,
         }
     }
 
@@ -344,6 +359,15 @@ impl Metrics {
                 model: self.models.label(model),
             })
             .inc();
+    }
+
+    /// Late engine updates that never found their record.
+    pub fn engine_update_unmatched(&self, reason: &str, n: u64) {
+        self.updates_unmatched
+            .get_or_create(&UnmatchedLabels {
+                reason: reason.to_owned(),
+            })
+            .inc_by(n);
     }
 
     /// Adds forwarded response bytes.

@@ -86,6 +86,17 @@ impl Endpoint {
         }
     }
 
+    /// Parses [`Endpoint::as_str`] back.
+    pub fn parse(s: &str) -> Option<Self> {
+        [
+            Endpoint::ChatCompletions,
+            Endpoint::Completions,
+            Endpoint::Embeddings,
+        ]
+        .into_iter()
+        .find(|e| e.as_str() == s)
+    }
+
     /// The default `request_type` when the caller did not set one (the OpenTelemetry GenAI
     /// operation name).
     pub fn default_request_type(self) -> &'static str {
@@ -166,6 +177,13 @@ impl PhaseSource {
             PhaseSource::None => "none",
         }
     }
+
+    /// Parses [`PhaseSource::as_str`] back.
+    pub fn parse(s: &str) -> Option<Self> {
+        [PhaseSource::Engine, PhaseSource::Derived, PhaseSource::None]
+            .into_iter()
+            .find(|p| p.as_str() == s)
+    }
 }
 
 /// Input-length bucket, the article's four classes.
@@ -203,6 +221,11 @@ impl InputBucket {
             512..=2047 => InputBucket::B512To2048,
             _ => InputBucket::B2048Plus,
         }
+    }
+
+    /// Parses [`InputBucket::as_str`] back.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|b| b.as_str() == s)
     }
 
     /// The label value (`0-128`, `128-512`, `512-2048`, `2048+`).
@@ -371,6 +394,24 @@ mod tests {
         for o in Outcome::ALL {
             assert_eq!(Outcome::parse(o.as_str()), Some(o));
         }
+    }
+
+    #[test]
+    fn enum_names_round_trip() {
+        for b in InputBucket::ALL {
+            assert_eq!(InputBucket::parse(b.as_str()), Some(b));
+        }
+        for e in [
+            Endpoint::ChatCompletions,
+            Endpoint::Completions,
+            Endpoint::Embeddings,
+        ] {
+            assert_eq!(Endpoint::parse(e.as_str()), Some(e));
+        }
+        for p in [PhaseSource::Engine, PhaseSource::Derived, PhaseSource::None] {
+            assert_eq!(PhaseSource::parse(p.as_str()), Some(p));
+        }
+        assert_eq!(InputBucket::parse("nope"), None);
     }
 
     #[test]

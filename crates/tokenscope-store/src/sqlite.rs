@@ -667,27 +667,19 @@ fn get_enum<T>(
     parse(&s).ok_or_else(|| decode_err(idx, COLUMNS[idx], &s))
 }
 
-/// Parses [`Endpoint::as_str`] back.
+/// Parses [`Endpoint::as_str`] back (kept for callers; see [`Endpoint::parse`]).
 pub fn parse_endpoint(s: &str) -> Option<Endpoint> {
-    [
-        Endpoint::ChatCompletions,
-        Endpoint::Completions,
-        Endpoint::Embeddings,
-    ]
-    .into_iter()
-    .find(|e| e.as_str() == s)
+    Endpoint::parse(s)
 }
 
-/// Parses [`PhaseSource::as_str`] back.
+/// Parses [`PhaseSource::as_str`] back (kept for callers; see [`PhaseSource::parse`]).
 pub fn parse_phase_source(s: &str) -> Option<PhaseSource> {
-    [PhaseSource::Engine, PhaseSource::Derived, PhaseSource::None]
-        .into_iter()
-        .find(|p| p.as_str() == s)
+    PhaseSource::parse(s)
 }
 
-/// Parses [`InputBucket::as_str`] back.
+/// Parses [`InputBucket::as_str`] back (kept for callers; see [`InputBucket::parse`]).
 pub fn parse_input_bucket(s: &str) -> Option<InputBucket> {
-    InputBucket::ALL.into_iter().find(|b| b.as_str() == s)
+    InputBucket::parse(s)
 }
 
 /// Maps a row selected as `SELECT <COLUMNS…>` (in [`COLUMNS`] order) back to a record.

@@ -371,6 +371,45 @@ impl RequestRecord {
     pub fn is_success(&self) -> bool {
         self.outcome == Outcome::Ok
     }
+
+    /// Applies late engine values (the one rule every store and the gateway share): every
+    /// `Some` phase replaces the stored one with source `engine`; an engine token count
+    /// replaces the gateway's own (estimate, chunk count, tokenizer) but never a `usage` or
+    /// `engine` count, and the input bucket follows the new input count. Idempotent.
+    pub fn apply_update(&mut self, u: &PhaseUpdate) {
+        for (val, dst, src) in [
+            (
+                u.queue_duration_ms,
+                &mut self.queue_duration_ms,
+                &mut self.queue_source,
+            ),
+            (
+                u.prefill_duration_ms,
+                &mut self.prefill_duration_ms,
+                &mut self.prefill_source,
+            ),
+            (
+                u.decode_duration_ms,
+                &mut self.decode_duration_ms,
+                &mut self.decode_source,
+            ),
+        ] {
+            if let Some(v) = val.filter(|v| v.is_finite() && *v >= 0.0) {
+                *dst = Some(v);
+                *src = PhaseSource::Engine;
+            }
+        }
+        let weaker = |s: TokenSource| !matches!(s, TokenSource::Usage | TokenSource::Engine);
+        if u.input_tokens.is_some() && weaker(self.input_tokens_source) {
+            self.input_tokens = u.input_tokens;
+            self.input_tokens_source = TokenSource::Engine;
+            self.input_bucket = self.input_tokens.map(InputBucket::of);
+        }
+        if u.output_tokens.is_some() && weaker(self.output_tokens_source) {
+            self.output_tokens = u.output_tokens;
+            self.output_tokens_source = TokenSource::Engine;
+        }
+    }
 }
 
 #[cfg(test)]

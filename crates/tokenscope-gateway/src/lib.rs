@@ -119,7 +119,7 @@ impl Shared {
                 .find(|r| r.trace_id == update.trace_id)
             {
                 let mut rec = (**slot).clone();
-                apply_update(&mut rec, &update);
+                rec.apply_update(&update);
                 *slot = Arc::new(rec);
             }
         }
@@ -137,44 +137,6 @@ impl Shared {
             recent.push_back(Arc::new(rec.clone()));
         }
         self.out.submit(rec);
-    }
-}
-
-/// Applies a [`PhaseUpdate`] to a record the way the store applies it to a row.
-pub(crate) fn apply_update(rec: &mut RequestRecord, u: &PhaseUpdate) {
-    use tokenscope_core::{PhaseSource, TokenSource};
-    for (val, dst, src) in [
-        (
-            u.queue_duration_ms,
-            &mut rec.queue_duration_ms,
-            &mut rec.queue_source,
-        ),
-        (
-            u.prefill_duration_ms,
-            &mut rec.prefill_duration_ms,
-            &mut rec.prefill_source,
-        ),
-        (
-            u.decode_duration_ms,
-            &mut rec.decode_duration_ms,
-            &mut rec.decode_source,
-        ),
-    ] {
-        if let Some(v) = val {
-            *dst = Some(v);
-            *src = PhaseSource::Engine;
-        }
-    }
-    // The engine's count beats the gateway's own (estimate, chunks, tokenizer), never usage.
-    let weaker = |s: TokenSource| !matches!(s, TokenSource::Usage | TokenSource::Engine);
-    if u.input_tokens.is_some() && weaker(rec.input_tokens_source) {
-        rec.input_tokens = u.input_tokens;
-        rec.input_tokens_source = TokenSource::Engine;
-        rec.input_bucket = rec.input_tokens.map(tokenscope_core::InputBucket::of);
-    }
-    if u.output_tokens.is_some() && weaker(rec.output_tokens_source) {
-        rec.output_tokens = u.output_tokens;
-        rec.output_tokens_source = TokenSource::Engine;
     }
 }
 

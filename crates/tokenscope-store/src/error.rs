@@ -43,10 +43,12 @@ pub enum StoreError {
     #[error("invalid report query: {0}")]
     InvalidQuery(String),
     /// A record sink other than SQLite failed.
-    #[error("sink {sink}: {message}")]
+    #[error("sink {sink} ({}): {message}", class.as_str())]
     Sink {
         /// [`RecordSink::name`](crate::RecordSink::name) of the sink.
         sink: &'static str,
+        /// What kind of failure (drives retries and the `kind` label of the error metric).
+        class: ErrorClass,
         /// What went wrong.
         message: String,
     },
@@ -56,4 +58,58 @@ pub enum StoreError {
     /// File-system error (creating the database directory).
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// The kind of a store failure, for retry decisions, logs and the `kind` metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorClass {
+    /// The store cannot be reached or timed out (connection refused, reset, 5xx, timeout):
+    /// retry with backoff, the data waits in the spool.
+    Unavailable,
+    /// The store refused our credentials: retried (an operator may fix the password
+    /// server-side), logged as an error.
+    Auth,
+    /// The table or database is missing (dropped): the sink recreates the schema and retries.
+    Schema,
+    /// The store rejected the data itself (a malformed row): retrying the same batch cannot
+    /// succeed.
+    Rejected,
+    /// Anything else (local I/O, SQLite busy/full, a panic): retried.
+    Other,
+}
+
+impl ErrorClass {
+    /// Every class, in label order.
+    pub const ALL: [ErrorClass; 5] = [
+        ErrorClass::Unavailable,
+        ErrorClass::Auth,
+        ErrorClass::Schema,
+        ErrorClass::Rejected,
+        ErrorClass::Other,
+    ];
+
+    /// Stable lower-case name (metric label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorClass::Unavailable => "unavailable",
+            ErrorClass::Auth => "auth",
+            ErrorClass::Schema => "schema",
+            ErrorClass::Rejected => "rejected",
+            ErrorClass::Other => "other",
+        }
+    }
+}
+
+impl StoreError {
+    /// The failure's [`ErrorClass`].
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            StoreError::Sink { class, .. } => *class,
+            StoreError::Decode { .. } | StoreError::InvalidQuery(_) => ErrorClass::Rejected,
+            StoreError::SchemaTooNew { .. }
+            | StoreError::SchemaTooOld { .. }
+            | StoreError::NoSchema(_) => ErrorClass::Schema,
+            _ => ErrorClass::Other,
+        }
+    }
 }

@@ -32,7 +32,7 @@ pub mod pipeline;
 pub mod report;
 pub mod sqlite;
 
-pub use error::StoreError;
+pub use error::{ErrorClass, StoreError};
 pub use pending::{PendingUpdates, UnmatchedCounts, UnmatchedReason};
 pub use pipeline::{
     spawn_pipeline, DropReason, NoopObserver, PipelineConfig, PipelineHandle, PipelineObserver,

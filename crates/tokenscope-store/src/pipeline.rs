@@ -804,6 +804,7 @@ mod tests {
             {
                 return Err(StoreError::Sink {
                     sink: "mem",
+                    class: crate::ErrorClass::Unavailable,
                     message: "injected failure".to_owned(),
                 });
             }
@@ -826,6 +827,7 @@ mod tests {
             {
                 return Err(StoreError::Sink {
                     sink: "mem",
+                    class: crate::ErrorClass::Unavailable,
                     message: "injected update failure".to_owned(),
                 });
             }

@@ -39,7 +39,7 @@ pub use pipeline::{
     RecordSink, Recorder, ShutdownReport,
 };
 pub use report::{
-    render, run_report, run_report_on, run_report_threads, Dimension, Format, Quantiles,
-    ReportQuery, ReportRow, NONE_LABEL,
+    clickhouse_select, render, run_report, run_report_on, run_report_threads, ColKind, Dimension,
+    Format, Quantiles, ReportQuery, ReportRow, ReportSelect, ScanValue, Scanner, NONE_LABEL,
 };
 pub use sqlite::SqliteStore;

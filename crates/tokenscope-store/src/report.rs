@@ -65,6 +65,14 @@
 //! subset: P50/P95/P99 of TTFT, TPOT and end-to-end, and — only when some row has a phase
 //! value — P50/P99 of queue, prefill and decode and the queue share of TTFT in percent.
 //!
+//! ## Other stores
+//!
+//! The aggregation is store-independent: [`Scanner`] takes the report SELECT's rows as
+//! [`ScanValue`]s. The embedded store feeds it from SQLite; an external store (ClickHouse)
+//! runs [`clickhouse_select`] — the same columns, range and filters in its dialect — decodes
+//! each row per [`ReportSelect::kinds`] and feeds the same scanner, so both stores give
+//! identical reports for the same records.
+//!
 //! ## Performance
 //!
 //! One pass over the selected rows; group keys are small integer vectors (dimension values
@@ -562,17 +570,17 @@ struct Interner {
 
 impl Interner {
     #[inline]
-    fn id_of(&mut self, dim: Dimension, v: ValueRef<'_>) -> i64 {
+    fn id_of(&mut self, dim: Dimension, v: ScanValue<'_>) -> i64 {
         if matches!(dim, Dimension::KvUsageBand | Dimension::GpuBand) {
             // Ids are band indexes; anything not a number counts as unknown.
             return real(v).and_then(kv_band_index).map_or(-1, |b| b as i64);
         }
         match v {
-            ValueRef::Null => -1,
-            ValueRef::Integer(i) if dim == Dimension::Stream => i64::from(i != 0),
-            ValueRef::Text(b) | ValueRef::Blob(b) => self.text_id(b),
-            ValueRef::Integer(i) => self.text_id(i.to_string().as_bytes()),
-            ValueRef::Real(f) => self.text_id(f.to_string().as_bytes()),
+            ScanValue::Null => -1,
+            ScanValue::Int(i) if dim == Dimension::Stream => i64::from(i != 0),
+            ScanValue::Text(b) => self.text_id(b),
+            ScanValue::Int(i) => self.text_id(i.to_string().as_bytes()),
+            ScanValue::Real(f) => self.text_id(f.to_string().as_bytes()),
         }
     }
 
@@ -638,18 +646,18 @@ struct Acc {
 }
 
 #[inline]
-fn real(v: ValueRef<'_>) -> Option<f64> {
+fn real(v: ScanValue<'_>) -> Option<f64> {
     match v {
-        ValueRef::Real(f) if !f.is_nan() => Some(f),
-        ValueRef::Integer(i) => Some(i as f64),
+        ScanValue::Real(f) if !f.is_nan() => Some(f),
+        ScanValue::Int(i) => Some(i as f64),
         _ => None,
     }
 }
 
 #[inline]
-fn tokens(v: ValueRef<'_>) -> u64 {
+fn tokens(v: ScanValue<'_>) -> u64 {
     match v {
-        ValueRef::Integer(i) => u64::try_from(i).unwrap_or(0),
+        ScanValue::Int(i) => u64::try_from(i).unwrap_or(0),
         _ => 0,
     }
 }
@@ -786,65 +794,234 @@ struct Partial {
     accs: Vec<(Vec<i64>, Acc)>,
 }
 
-/// Scans `[lo, hi)` (plus the query's filters) and accumulates per group.
+/// Scans `[lo, hi)` (plus the query's filters) of a SQLite store and accumulates per group.
 fn scan(
     conn: &Connection,
     q: &ReportQuery,
     lo: i64,
     hi: Option<i64>,
 ) -> Result<Partial, StoreError> {
-    let interval_us = interval_us(q);
-    let (sql, params, fixed) = report_sql(q, lo, hi)?;
+    let (sql, params, _) = report_sql(q, lo, hi)?;
     let mut stmt = conn.prepare_cached(&sql)?;
+    let ncols = stmt.column_count();
     let mut rows = stmt.query(rusqlite::params_from_iter(params))?;
-
-    let ndims = q.group_by.len();
-    let mut interners: Vec<Interner> = (0..ndims).map(|_| Interner::default()).collect();
-    let mut index: FxMap<Vec<i64>, usize> = FxMap::default();
-    let mut accs: Vec<(Vec<i64>, Acc)> = Vec::new();
-    let mut key: Vec<i64> = Vec::with_capacity(ndims + 1);
-
+    let mut scanner = Scanner::new(q)?;
+    // At most 11 fixed columns + every dimension once.
+    const MAX_COLS: usize = 11 + Dimension::ALL.len();
+    let ncols = ncols.min(MAX_COLS);
     while let Some(row) = rows.next()? {
-        key.clear();
-        let bucket = match interval_us {
+        let mut vals = [ScanValue::Null; MAX_COLS];
+        for (i, slot) in vals.iter_mut().enumerate().take(ncols) {
+            *slot = match row.get_ref(i)? {
+                ValueRef::Null => ScanValue::Null,
+                ValueRef::Integer(i) => ScanValue::Int(i),
+                ValueRef::Real(f) => ScanValue::Real(f),
+                ValueRef::Text(b) | ValueRef::Blob(b) => ScanValue::Text(b),
+            };
+        }
+        scanner.push(&vals[..ncols]);
+    }
+    Ok(scanner.partial)
+}
+
+/// One value of a report row fed to a [`Scanner`] (any store's native value, mapped).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ScanValue<'a> {
+    /// SQL `NULL`.
+    Null,
+    /// An integer (tokens, `outcome = 'ok'` as 0/1, `stream` as 0/1, `created_at` µs).
+    Int(i64),
+    /// A float (durations in ms, KV usage, GPU utilisation).
+    Real(f64),
+    /// Text (dimension values), raw bytes (UTF-8 expected; invalid bytes are shown lossily).
+    Text(&'a [u8]),
+}
+
+/// How a column of a [`ReportSelect`] must be decoded into a [`ScanValue`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ColKind {
+    /// Integer ([`ScanValue::Int`]).
+    Int,
+    /// Float ([`ScanValue::Real`]).
+    Real,
+    /// Text ([`ScanValue::Text`]), never parsed as a number.
+    Text,
+}
+
+/// A report's SELECT for an external store (ClickHouse dialect), with literals inlined, and
+/// the kind of each selected column, in order. Feed every result row, decoded per
+/// [`ReportSelect::kinds`], to a [`Scanner`] built from the same query.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportSelect {
+    /// The complete `SELECT … FROM … FINAL WHERE …` (no `FORMAT` clause).
+    pub sql: String,
+    /// Kind of each column.
+    pub kinds: Vec<ColKind>,
+}
+
+/// The ClickHouse form of the report query over `table` (a `ReplacingMergeTree`, read with
+/// `FINAL`), where the record's `created_at` (µs) is the column `created_at_us` and every other
+/// column has the SQLite name. Same columns, same order and same filter semantics as the
+/// embedded store's query, so the same [`Scanner`] gives identical rows.
+pub fn clickhouse_select(q: &ReportQuery, table: &str) -> Result<ReportSelect, StoreError> {
+    validate(q)?;
+    let mut cols: Vec<(String, ColKind)> = vec![
+        ("toInt64(outcome = 'ok')".to_owned(), ColKind::Int),
+        ("ttft_ms".to_owned(), ColKind::Real),
+        ("tpot_ms".to_owned(), ColKind::Real),
+        ("total_duration_ms".to_owned(), ColKind::Real),
+        ("input_tokens".to_owned(), ColKind::Int),
+        ("output_tokens".to_owned(), ColKind::Int),
+        ("cached_tokens".to_owned(), ColKind::Int),
+        ("queue_duration_ms".to_owned(), ColKind::Real),
+        ("prefill_duration_ms".to_owned(), ColKind::Real),
+        ("decode_duration_ms".to_owned(), ColKind::Real),
+    ];
+    if q.interval.is_some() {
+        cols.push(("created_at_us".to_owned(), ColKind::Int));
+    }
+    for d in &q.group_by {
+        let kind = match d {
+            Dimension::Stream => ColKind::Int,
+            Dimension::KvUsageBand | Dimension::GpuBand => ColKind::Real,
+            _ => ColKind::Text,
+        };
+        cols.push((d.column().to_owned(), kind));
+    }
+    let mut sql = String::from("SELECT ");
+    sql.push_str(
+        &cols
+            .iter()
+            .map(|(c, _)| c.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    );
+    sql.push_str(&format!(
+        " FROM {table} FINAL WHERE created_at_us >= {}",
+        q.since_us
+    ));
+    if let Some(until) = q.until_us {
+        sql.push_str(&format!(" AND created_at_us < {until}"));
+    }
+    for (d, raw) in &q.filters {
+        let c = d.column();
+        match filter_value(*d, raw)? {
+            FilterValue::Null => sql.push_str(&format!(" AND isNull({c})")),
+            FilterValue::Text(t) => sql.push_str(&format!(" AND {c} = {}", ch_string(&t))),
+            FilterValue::Int(i) => sql.push_str(&format!(" AND {c} = {i}")),
+            FilterValue::Range(lo, hi) => {
+                sql.push_str(&format!(" AND isNotNull({c})"));
+                if let Some(lo) = lo {
+                    sql.push_str(&format!(" AND {c} >= {lo:?}"));
+                }
+                if let Some(hi) = hi {
+                    sql.push_str(&format!(" AND {c} < {hi:?}"));
+                }
+            }
+        }
+    }
+    Ok(ReportSelect {
+        sql,
+        kinds: cols.into_iter().map(|(_, k)| k).collect(),
+    })
+}
+
+/// A ClickHouse string literal: single-quoted, with `\` and `'` escaped.
+pub fn ch_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('\'');
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\'' => out.push_str("\\'"),
+            _ => out.push(c),
+        }
+    }
+    out.push('\'');
+    out
+}
+
+/// Accumulates report rows from any store. Build it from the query, [`push`](Scanner::push)
+/// each row of the report SELECT (columns: `outcome = 'ok'` as 0/1, ttft, tpot, total,
+/// input, output, cached, queue, prefill, decode, [`created_at` µs only with an interval],
+/// then one column per `group_by` dimension — exactly [`clickhouse_select`]'s columns), then
+/// [`finish`](Scanner::finish). Rows must already satisfy the query's range and filters.
+pub struct Scanner {
+    interval_us: Option<i64>,
+    fixed: usize,
+    dims: Vec<Dimension>,
+    index: FxMap<Vec<i64>, usize>,
+    key: Vec<i64>,
+    partial: Partial,
+    q: ReportQuery,
+}
+
+impl Scanner {
+    /// A scanner for `q` (validated).
+    pub fn new(q: &ReportQuery) -> Result<Self, StoreError> {
+        validate(q)?;
+        let ndims = q.group_by.len();
+        Ok(Self {
+            interval_us: interval_us(q),
+            fixed: if q.interval.is_some() { 11 } else { 10 },
+            dims: q.group_by.clone(),
+            index: FxMap::default(),
+            key: Vec::with_capacity(ndims + 1),
+            partial: Partial {
+                interners: (0..ndims).map(|_| Interner::default()).collect(),
+                accs: Vec::new(),
+            },
+            q: q.clone(),
+        })
+    }
+
+    /// Adds one row. A row with fewer columns than expected is ignored (never panics).
+    #[inline]
+    pub fn push(&mut self, row: &[ScanValue<'_>]) {
+        if row.len() < self.fixed + self.dims.len() {
+            return;
+        }
+        self.key.clear();
+        let bucket = match self.interval_us {
             Some(iv) => {
-                let at = match row.get_ref(10)? {
-                    ValueRef::Integer(at) => at,
+                let at = match row[10] {
+                    ScanValue::Int(at) => at,
                     _ => 0,
                 };
                 at - at.rem_euclid(iv)
             }
             None => 0,
         };
-        key.push(bucket);
-        for (i, d) in q.group_by.iter().enumerate() {
-            let v = row.get_ref(fixed + i)?;
-            key.push(interners[i].id_of(*d, v));
+        self.key.push(bucket);
+        for (i, d) in self.dims.iter().enumerate() {
+            let v = row[self.fixed + i];
+            let id = self.partial.interners[i].id_of(*d, v);
+            self.key.push(id);
         }
-        let slot = match index.get(key.as_slice()) {
+        let slot = match self.index.get(self.key.as_slice()) {
             Some(&s) => s,
             None => {
-                let s = accs.len();
-                accs.push((key.clone(), Acc::default()));
-                index.insert(key.clone(), s);
+                let s = self.partial.accs.len();
+                self.partial.accs.push((self.key.clone(), Acc::default()));
+                self.index.insert(self.key.clone(), s);
                 s
             }
         };
-        let acc = &mut accs[slot].1;
+        let acc = &mut self.partial.accs[slot].1;
         acc.count += 1;
-        if matches!(row.get_ref(0)?, ValueRef::Integer(1)) {
+        if matches!(row[0], ScanValue::Int(1)) {
             acc.ok += 1;
         }
         let mut v = [f64::NAN; METRICS];
-        let ttft = real(row.get_ref(1)?);
-        let queue = real(row.get_ref(7)?);
+        let ttft = real(row[1]);
+        let queue = real(row[7]);
         for (slot, x) in [
             (M_TTFT, ttft),
-            (M_TPOT, real(row.get_ref(2)?)),
-            (M_E2E, real(row.get_ref(3)?)),
+            (M_TPOT, real(row[2])),
+            (M_E2E, real(row[3])),
             (M_QUEUE, queue),
-            (M_PREFILL, real(row.get_ref(8)?)),
-            (M_DECODE, real(row.get_ref(9)?)),
+            (M_PREFILL, real(row[8])),
+            (M_DECODE, real(row[9])),
         ] {
             if let Some(x) = x {
                 v[slot] = x;
@@ -856,11 +1033,20 @@ fn scan(
             acc.share_ttft_ms += t;
             acc.share_n += 1;
         }
-        acc.input_tokens += tokens(row.get_ref(4)?);
-        acc.output_tokens += tokens(row.get_ref(5)?);
-        acc.cached_tokens += tokens(row.get_ref(6)?);
+        acc.input_tokens += tokens(row[4]);
+        acc.output_tokens += tokens(row[5]);
+        acc.cached_tokens += tokens(row[6]);
     }
-    Ok(Partial { interners, accs })
+
+    /// The report rows (`now_us` closes an open-ended range).
+    pub fn finish(self, now_us: i64) -> Vec<ReportRow> {
+        finish(&self.q, vec![self.partial], now_us)
+    }
+
+    /// [`finish`](Scanner::finish) at the current time.
+    pub fn finish_now(self) -> Vec<ReportRow> {
+        self.finish(now_us())
+    }
 }
 
 fn interval_us(q: &ReportQuery) -> Option<i64> {
@@ -1851,6 +2037,70 @@ mod tests {
         assert_eq!(rows[0].count, 2);
         assert_eq!(rows[0].queue.n, 1);
         assert_eq!(rows[0].queue_share_of_ttft, None);
+    }
+
+    #[test]
+    fn scanner_fed_by_hand_equals_sqlite_report() {
+        let store = fixture();
+        let mut q = q(vec![Dimension::Model, Dimension::Stream]);
+        q.interval = Some(Duration::from_secs(3600));
+        let want = run_report_at(store.conn(), &q, 9_000_000_000).unwrap();
+        // Feed the same rows through the public scanner, as an external store would.
+        let (sql, params, _) = report_sql(&q, q.since_us, q.until_us).unwrap();
+        let mut stmt = store.conn().prepare(&sql).unwrap();
+        let n = stmt.column_count();
+        let mut rows = stmt.query(rusqlite::params_from_iter(params)).unwrap();
+        let mut sc = Scanner::new(&q).unwrap();
+        while let Some(r) = rows.next().unwrap() {
+            let owned: Vec<rusqlite::types::Value> = (0..n)
+                .map(|i| r.get::<_, rusqlite::types::Value>(i).unwrap())
+                .collect();
+            let vals: Vec<ScanValue<'_>> = owned
+                .iter()
+                .map(|v| match v {
+                    rusqlite::types::Value::Null => ScanValue::Null,
+                    rusqlite::types::Value::Integer(i) => ScanValue::Int(*i),
+                    rusqlite::types::Value::Real(f) => ScanValue::Real(*f),
+                    rusqlite::types::Value::Text(t) => ScanValue::Text(t.as_bytes()),
+                    rusqlite::types::Value::Blob(b) => ScanValue::Text(b),
+                })
+                .collect();
+            sc.push(&vals);
+        }
+        assert_eq!(sc.finish(9_000_000_000), want);
+        assert!(!want.is_empty());
+    }
+
+    #[test]
+    fn clickhouse_select_text() {
+        let mut q = q(vec![Dimension::User, Dimension::KvUsageBand]);
+        q.since_us = 5;
+        q.until_us = Some(10);
+        q.filters = vec![
+            (Dimension::Model, "it's\\x".to_owned()),
+            (Dimension::Tenant, NONE_LABEL.to_owned()),
+            (Dimension::GpuBand, "50-80%".to_owned()),
+            (Dimension::Stream, "true".to_owned()),
+        ];
+        let sel = clickhouse_select(&q, "db.llm_inference_log").unwrap();
+        assert_eq!(
+            sel.sql,
+            "SELECT toInt64(outcome = 'ok'), ttft_ms, tpot_ms, total_duration_ms, input_tokens, \
+             output_tokens, cached_tokens, queue_duration_ms, prefill_duration_ms, \
+             decode_duration_ms, user_id, engine_kv_usage FROM db.llm_inference_log FINAL WHERE \
+             created_at_us >= 5 AND created_at_us < 10 AND model = 'it\\'s\\\\x' AND \
+             isNull(tenant) AND isNotNull(gpu_utilization) AND gpu_utilization >= 0.5 AND \
+             gpu_utilization < 0.8 AND stream = 1"
+        );
+        assert_eq!(sel.kinds.len(), 12);
+        assert_eq!(sel.kinds[10], ColKind::Text);
+        assert_eq!(sel.kinds[11], ColKind::Real);
+        q.interval = Some(Duration::from_secs(60));
+        let sel = clickhouse_select(&q, "t").unwrap();
+        assert!(sel
+            .sql
+            .contains("decode_duration_ms, created_at_us, user_id"));
+        assert_eq!(sel.kinds[10], ColKind::Int);
     }
 
     #[test]

@@ -31,15 +31,18 @@ pub mod pending;
 pub mod pipeline;
 pub mod report;
 pub mod sqlite;
+pub mod spool;
 
 pub use error::{ErrorClass, StoreError};
 pub use pending::{PendingUpdates, UnmatchedCounts, UnmatchedReason};
 pub use pipeline::{
-    spawn_pipeline, DropReason, NoopObserver, PipelineConfig, PipelineHandle, PipelineObserver,
-    RecordSink, Recorder, ShutdownReport,
+    spawn_pipeline, spawn_pipeline_with_spool, DropReason, LossReason, NoopObserver,
+    PipelineConfig, PipelineHandle, PipelineObserver, RecordSink, Recorder, ShutdownReport,
+    SpoolState,
 };
 pub use report::{
     clickhouse_select, render, run_report, run_report_on, run_report_threads, ColKind, Dimension,
     Format, Quantiles, ReportQuery, ReportRow, ReportSelect, ScanValue, Scanner, NONE_LABEL,
 };
+pub use spool::{Append, Spool, SpoolConfig, SpoolEntry, SpoolError};
 pub use sqlite::SqliteStore;

@@ -1,68 +1,89 @@
-//! The hot-path / sink boundary: a bounded queue fed by the request path, drained by one
-//! dedicated writer thread that writes batches into a [`RecordSink`].
+//! The hot-path / sink boundary: a bounded queue fed by the request path, a batcher thread
+//! that cuts it into batches, and a sender thread that writes them into a [`RecordSink`] —
+//! or, when the store is slow, failing or down, spills them to an on-disk [`Spool`] and
+//! replays them, oldest first, when it recovers.
 //!
 //! ```text
-//!  request path ──Recorder::record()──▶ [ bounded channel, capacity N ] ──▶ writer thread ──▶ sink
-//!    (try_send, never waits)               full → counted drop               batch + retry
+//!  request path ──Recorder::record()──▶ [ bounded channel ] ──▶ batcher ──▶ [ handoff, K batches ] ──▶ sender ──▶ sink
+//!    (try_send, never waits)              full → counted drop      │ size / interval / flush        ▲   │ failure
+//!                                                                  └── handoff full, store failing ──▶ spool ◀┘
+//!                                                                        or spool not empty        (replayed)
 //! ```
 //!
 //! Invariants:
 //! * **The request path never waits.** [`Recorder::record`] is a `try_send` into a
 //!   `std::sync::mpsc::sync_channel` plus a few atomic operations: no lock held across I/O, no
-//!   `.await`, no blocking call. It is safe to call from async code.
-//! * **Bounded.** At most [`PipelineConfig::capacity`] records wait in the queue, plus at most
-//!   one batch ([`PipelineConfig::batch_size`]) held by the writer.
-//! * **Every record is accounted for.** Each record passed to `record` ends up in exactly one of:
-//!   *written* (the sink accepted its batch), *dropped* (queue full, or the pipeline already
-//!   shut down — [`PipelineObserver::on_dropped`] + [`Recorder::dropped`]), or *lost* (its
-//!   batch still failed after [`PipelineConfig::retry_attempts`] retries —
-//!   [`PipelineObserver::on_write_error`] + [`Recorder::lost`]). The only exception is a
-//!   shutdown whose deadline expires while the sink is stuck; [`ShutdownReport::timed_out`]
-//!   then says so and [`ShutdownReport::abandoned`] counts what was still pending.
+//!   `.await`, no blocking call. It is safe to call from async code. Neither the batcher nor
+//!   the sender is ever waited on by it: the spool's lock is shared by those two threads only.
+//! * **Bounded memory.** At most [`PipelineConfig::capacity`] records wait in the queue, one
+//!   batch is being cut, [`PipelineConfig::handoff_batches`] batches wait for the sender and
+//!   one is being written. Everything beyond goes to disk (with a spool) or waits in the queue
+//!   (without one, where a full queue drops).
+//! * **Durable delivery (with a spool).** A batch goes straight to the sink only while the
+//!   store is healthy and the spool is empty; otherwise (handoff full because the store is
+//!   slow, a failed write, a non-empty spool) it is appended to the spool. The sender replays
+//!   the spool oldest-first with exponential backoff ([`PipelineConfig::retry_backoff_max`]),
+//!   acknowledging each batch only after the sink accepted it; after a crash the next start
+//!   replays what was not acknowledged (at-least-once: the sinks are idempotent per
+//!   `request_id`, so a replayed batch never doubles rows). A batch that failed a direct write
+//!   is spooled after the batches spooled meanwhile (order is only per-batch FIFO: rows are
+//!   keyed, and an engine update that overtakes its row waits for it in the sink).
+//! * **Every record is accounted for.** Each record passed to `record` ends up in exactly one
+//!   of: *written* (the sink accepted its batch, possibly after a replay), *dropped* (queue
+//!   full or pipeline closed — [`PipelineObserver::on_dropped`], [`Recorder::dropped`]),
+//!   *spooled* and still on disk (replayed later or on the next start), or *lost*
+//!   ([`PipelineObserver::on_lost`], [`Recorder::lost`]) for one of the [`LossReason`]s: the
+//!   spool is full (its cap is hit) or failed, there is no spool and the batch failed every
+//!   retry, or the store rejected the batch's data itself ([`ErrorClass::Rejected`]) on every
+//!   attempt. With a spool and a store that eventually accepts the data, nothing is lost
+//!   unless the spool cap is hit.
 //! * Only the first drop is logged (`warn`); later ones are only counted, so a saturated
-//!   pipeline cannot flood the logs.
-//! * The sink (e.g. the SQLite connection) lives on the writer thread and nowhere else.
-//! * The writer flushes when a batch reaches `batch_size` rows, or `flush_interval` after the
+//!   pipeline cannot flood the logs. Store errors are logged when their class changes and
+//!   then at most every 30 s while they persist; recovery is logged once.
+//! * The sink lives on the sender thread and nowhere else.
+//! * The batcher flushes when a batch reaches `batch_size` rows, or `flush_interval` after the
 //!   first row of a partial batch arrived, whichever comes first, or on
-//!   [`PipelineHandle::flush`]. A failed batch is retried with exponential backoff (50 ms,
-//!   100 ms, 200 ms, …, capped at 2 s); a panic inside the sink is contained and treated as a
-//!   failure.
+//!   [`PipelineHandle::flush`] (which returns once everything recorded before it is written or
+//!   safely spooled, after at most one replay attempt). A panic inside the sink is contained
+//!   and treated as a failure.
 //! * [`PipelineHandle::shutdown`] stops intake (later `record` calls count as
-//!   [`DropReason::Closed`]), writes everything already queued, then joins the thread.
+//!   [`DropReason::Closed`]), delivers everything queued, tries to drain the spool until the
+//!   deadline, and leaves what the store did not take in the spool for the next start
+//!   ([`ShutdownReport::spooled_batches`]).
 //!
 //! ## Late engine data
 //!
 //! [`Recorder::update`] hands a [`PhaseUpdate`] (engine phases joined by trace id, from an
-//! OTLP span that arrives after the record) to the writer through the **same** bounded queue,
+//! OTLP span that arrives after the record) to the batcher through the **same** bounded queue,
 //! with the same guarantees: never blocks, and a full or closed queue drops it through the
 //! same accounting as a record ([`PipelineObserver::on_dropped`], [`Recorder::dropped`],
 //! [`ShutdownReport::dropped`] count records and updates together). Accepted updates are
 //! counted apart ([`Recorder::updates_queued`]) so that [`Recorder::pending`] stays a count
 //! of records.
-//! * Ordering: a flush writes the batch's records first, then applies its updates
-//!   ([`RecordSink::apply_updates`]); so an update and its record in the same batch always
-//!   meet. An update whose record is not stored yet is the sink's to keep (the SQLite sink
-//!   parks it in a bounded, TTL-limited map and applies it when the row arrives; see
-//!   [`crate::pending`]).
-//! * The batch size bounds records + updates together; a failed `apply_updates` is retried
-//!   like a batch (updates are idempotent), and on final failure its updates are counted
-//!   as unmatched ([`UnmatchedReason::WriteFailed`]).
+//! * A batch carries records and updates; writing it writes the records first, then applies
+//!   the updates ([`RecordSink::apply_updates`]); so an update and its record in the same
+//!   batch always meet, and a spooled batch keeps its updates. An update whose record is not
+//!   stored yet is the sink's to keep (see [`crate::pending`]).
+//! * The batch size bounds records + updates together. Updates of a lost batch are counted as
+//!   unmatched ([`UnmatchedReason::WriteFailed`]).
 //! * Updates the sink gives up on (overflow, expiry, still parked at shutdown) are collected
-//!   after every flush, every [`HOUSEKEEPING_INTERVAL`] and at shutdown through
+//!   after every write, every [`HOUSEKEEPING_INTERVAL`] and at shutdown through
 //!   [`RecordSink::take_unmatched`], and reported via
 //!   [`PipelineObserver::on_update_unmatched`] and [`Recorder::updates_unmatched`].
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use serde::{Deserialize, Serialize};
 use tokenscope_core::{PhaseUpdate, RequestRecord};
 
 use crate::pending::{UnmatchedCounts, UnmatchedReason};
-use crate::{SqliteStore, StoreError};
+use crate::spool::{Append, Spool};
+use crate::{ErrorClass, SqliteStore, StoreError};
 
 /// Where batches of records end up. Implementations run on the writer thread only.
 pub trait RecordSink: Send + 'static {
@@ -123,17 +144,75 @@ impl DropReason {
     }
 }
 
+/// Why accepted records were lost (never written and not kept anywhere).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LossReason {
+    /// The spool's size cap was hit: the batch could not be spilled.
+    SpoolFull,
+    /// Writing to (or reading from) the spool failed (disk error, undecodable entry).
+    SpoolError,
+    /// No spool is configured and the batch failed every retry.
+    WriteFailed,
+    /// The store rejected the batch's data itself ([`ErrorClass::Rejected`]) on every attempt.
+    Rejected,
+}
+
+impl LossReason {
+    /// Every reason, in label order.
+    pub const ALL: [LossReason; 4] = [
+        LossReason::SpoolFull,
+        LossReason::SpoolError,
+        LossReason::WriteFailed,
+        LossReason::Rejected,
+    ];
+
+    /// Stable lower-case name (metric label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LossReason::SpoolFull => "spool_full",
+            LossReason::SpoolError => "spool_error",
+            LossReason::WriteFailed => "write_failed",
+            LossReason::Rejected => "rejected",
+        }
+    }
+}
+
+/// The spool's state, published by the sender after every change and every second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SpoolState {
+    /// Unacknowledged batches on disk.
+    pub batches: u64,
+    /// Their size on disk, bytes.
+    pub bytes: u64,
+    /// Age of the oldest unsent batch (zero when the spool is empty).
+    pub oldest_age: Duration,
+    /// The store accepted the last write (and the spool is empty, or draining).
+    pub store_up: bool,
+}
+
 /// Hooks for metrics (implemented by the telemetry crate). Every method has a no-op default.
 /// `on_enqueued` and `on_dropped` run on the request path: keep them to an atomic increment.
+/// The others run on the pipeline's threads.
 pub trait PipelineObserver: Send + Sync + 'static {
     /// A record was accepted into the queue.
     fn on_enqueued(&self) {}
     /// A record or an update was dropped before reaching the writer.
     fn on_dropped(&self, _reason: DropReason) {}
-    /// A batch of `rows` was written; `latency` is the successful `write_batch` call's duration.
-    fn on_written(&self, _rows: usize, _latency: Duration) {}
-    /// A batch of `rows` failed for good (after all retries): those rows are lost.
-    fn on_write_error(&self, _rows: usize, _err: &StoreError) {}
+    /// A batch of `rows` was written; `latency` is the successful `write_batch` call's
+    /// duration; `replayed` when the batch came from the spool (its rows had already left
+    /// memory when they were spooled).
+    fn on_written(&self, _rows: usize, _latency: Duration, _replayed: bool) {}
+    /// `rows` records left memory for the spool.
+    fn on_spooled(&self, _rows: usize) {}
+    /// A store call failed (every attempt, including those retried later).
+    fn on_store_error(&self, _class: ErrorClass, _err: &StoreError) {}
+    /// A failed batch will be tried again (a retry or a spool replay attempt).
+    fn on_retry(&self) {}
+    /// `rows` accepted records were lost for `reason`; `in_memory` when they were still in
+    /// memory (not spooled) at that point.
+    fn on_lost(&self, _rows: usize, _reason: LossReason, _in_memory: bool) {}
+    /// The spool changed (see [`SpoolState`]).
+    fn on_spool_state(&self, _state: SpoolState) {}
     /// `updates` engine updates will never be applied, for `reason` (their record never
     /// arrived in time, the pending map overflowed, the store shut down, or the sink kept
     /// failing). Runs on the writer thread.
@@ -151,21 +230,30 @@ impl PipelineObserver for NoopObserver {}
 pub struct PipelineConfig {
     /// Queue capacity in records (default 65 536).
     pub capacity: usize,
-    /// Rows per write (default 1024).
+    /// Rows (records + updates) per write (default 4096).
     pub batch_size: usize,
     /// Longest time a row waits in a partial batch (default 200 ms).
     pub flush_interval: Duration,
-    /// Retries of a failed batch before its rows are counted as lost (default 3).
+    /// Without a spool: retries of a failed batch before its rows are counted as lost. With a
+    /// spool: attempts of a batch the store *rejects* ([`ErrorClass::Rejected`]) before it is
+    /// dropped (other failures are retried until the store recovers). Default 3.
     pub retry_attempts: u32,
+    /// Batches waiting in memory for the sender before new ones spill to the spool (default 4).
+    pub handoff_batches: usize,
+    /// Longest pause between two replay attempts while the store fails (default 5 s; the
+    /// backoff starts at 100 ms and doubles).
+    pub retry_backoff_max: Duration,
 }
 
 impl Default for PipelineConfig {
     fn default() -> Self {
         Self {
             capacity: 65_536,
-            batch_size: 1024,
+            batch_size: 4096,
             flush_interval: Duration::from_millis(200),
             retry_attempts: 3,
+            handoff_batches: 4,
+            retry_backoff_max: Duration::from_secs(5),
         }
     }
 }
@@ -175,6 +263,14 @@ pub const HOUSEKEEPING_INTERVAL: Duration = Duration::from_secs(5);
 
 const BACKOFF_BASE: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// First pause between replay attempts of the spool.
+const REPLAY_BACKOFF_BASE: Duration = Duration::from_millis(100);
+/// How often the sender republishes the spool state (the oldest-age gauge moves).
+const STATE_INTERVAL: Duration = Duration::from_secs(1);
+/// Longest time one replay round runs before the sender looks at its handoff again.
+const REPLAY_ROUND: Duration = Duration::from_millis(500);
+/// Repeated identical store errors are logged at most this often.
+const ERROR_LOG_INTERVAL: Duration = Duration::from_secs(30);
 
 enum Msg {
     Record(Box<RequestRecord>),
@@ -196,6 +292,8 @@ struct Shared {
     updates_enqueued: AtomicU64,
     updates_unmatched: AtomicU64,
     warned_drop: AtomicBool,
+    /// Records spilled to the spool by this process.
+    spooled: AtomicU64,
 }
 
 impl Shared {
@@ -314,17 +412,18 @@ impl Recorder {
     }
 }
 
-/// Owner's handle: flush and shut down the writer.
+/// Owner's handle: flush and shut down the pipeline.
 pub struct PipelineHandle {
     tx: SyncSender<Msg>,
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
+    link: Arc<Link>,
 }
 
 impl std::fmt::Debug for PipelineHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PipelineHandle")
-            .field("running", &self.thread.is_some())
+            .field("running", &!self.threads.is_empty())
             .finish()
     }
 }
@@ -334,71 +433,93 @@ impl std::fmt::Debug for PipelineHandle {
 pub struct ShutdownReport {
     /// Records accepted into the queue over the pipeline's life.
     pub enqueued: u64,
-    /// Records written over the pipeline's life.
+    /// Records written over the pipeline's life (replayed ones from an earlier run included).
     pub written: u64,
     /// Records and updates dropped before the queue over the pipeline's life.
     pub dropped: u64,
-    /// Records lost to failed batches over the pipeline's life.
+    /// Records lost over the pipeline's life (see [`LossReason`]).
     pub lost: u64,
-    /// Records still pending when the deadline expired (0 unless `timed_out`).
+    /// Records spilled to the spool over the pipeline's life.
+    pub spooled: u64,
+    /// Batches left in the spool for the next start (the store did not take them in time).
+    pub spooled_batches: u64,
+    /// Records still pending in memory when the deadline expired (0 unless `timed_out`).
     pub abandoned: u64,
-    /// The writer did not finish before the deadline (it was left running, detached).
+    /// The pipeline did not finish before the deadline (its threads were left running,
+    /// detached).
     pub timed_out: bool,
     /// How long the shutdown took.
     pub elapsed: Duration,
 }
 
 impl PipelineHandle {
-    /// Forces a flush of everything queued so far and waits until it is written (or lost).
-    /// Blocking: for tests and the admin API, never the request path.
+    /// Forces a flush of everything queued so far and waits until it is written or safely
+    /// spooled (after at most one replay attempt of the spool). Blocking: for tests and the
+    /// admin API, never the request path.
     pub fn flush(&self) {
         let (ack_tx, ack_rx) = mpsc::sync_channel(1);
         if self.send_control(Msg::Flush(ack_tx), None) {
-            // Err only if the writer is gone; nothing left to wait for then.
+            // Err only if the pipeline is gone; nothing left to wait for then.
             let _ = ack_rx.recv();
         }
     }
 
-    /// Stops intake, writes everything queued, joins the writer thread. If the writer has not
-    /// finished by `deadline` (a stuck sink), it is detached and the report says `timed_out`.
+    /// The spool's current state (zero without a spool).
+    pub fn spool_state(&self) -> SpoolState {
+        self.link.state()
+    }
+
+    /// Stops intake, delivers everything queued, drains the spool until `deadline` and joins
+    /// the threads. If they have not finished by `deadline` (a stuck sink), they are detached
+    /// and the report says `timed_out`; what is in the spool stays there for the next start.
     pub fn shutdown(mut self, deadline: Duration) -> ShutdownReport {
         let start = Instant::now();
         let until = start + deadline;
         self.shared.closing.store(true, Ordering::SeqCst);
         let sent = self.send_control(Msg::Shutdown(until), Some(until));
-        let mut timed_out = !sent;
-        if let Some(thread) = self.thread.take() {
-            if sent {
-                while !thread.is_finished() && Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            }
-            if thread.is_finished() {
-                if thread.join().is_err() {
-                    tracing::error!("tokenscope record writer thread panicked");
-                }
-                timed_out = false;
-            } else {
-                timed_out = true;
-                tracing::error!(
-                    ?deadline,
-                    "tokenscope record writer did not finish before the shutdown deadline"
-                );
+        let threads = std::mem::take(&mut self.threads);
+        if sent {
+            while !threads.iter().all(JoinHandle::is_finished) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(1));
             }
         }
+        let timed_out = !threads.iter().all(JoinHandle::is_finished);
+        if !timed_out {
+            for t in threads {
+                if t.join().is_err() {
+                    tracing::error!("a tokenscope record pipeline thread panicked");
+                }
+            }
+        } else {
+            tracing::error!(
+                ?deadline,
+                "tokenscope record pipeline did not finish before the shutdown deadline"
+            );
+        }
         let s = &self.shared;
-        let (enqueued, written, lost) = (
+        let (enqueued, written, lost, spooled) = (
             s.enqueued.load(Ordering::SeqCst),
             s.written.load(Ordering::SeqCst),
             s.lost.load(Ordering::SeqCst),
+            s.spooled.load(Ordering::SeqCst),
         );
+        let spooled_batches = self.link.state().batches;
+        if spooled_batches > 0 {
+            tracing::warn!(
+                batches = spooled_batches,
+                "store did not take every batch before shutdown; they stay in the spool and are \
+                 replayed on the next start"
+            );
+        }
         ShutdownReport {
             enqueued,
             written,
             dropped: s.dropped.load(Ordering::SeqCst),
             lost,
+            spooled,
+            spooled_batches,
             abandoned: if timed_out {
-                enqueued.saturating_sub(written + lost)
+                enqueued.saturating_sub(written + lost + spooled)
             } else {
                 0
             },
@@ -408,7 +529,7 @@ impl PipelineHandle {
     }
 
     /// Puts a control message in the (possibly full) queue, waiting for room until `until`.
-    /// `false` when the writer is gone or the deadline passed.
+    /// `false` when the pipeline is gone or the deadline passed.
     fn send_control(&self, mut msg: Msg, until: Option<Instant>) -> bool {
         loop {
             match self.tx.try_send(msg) {
@@ -428,8 +549,8 @@ impl PipelineHandle {
 
 impl Drop for PipelineHandle {
     fn drop(&mut self) {
-        if self.thread.is_some() {
-            // Dropped without shutdown(): stop intake and let the writer drain on its own,
+        if !self.threads.is_empty() {
+            // Dropped without shutdown(): stop intake and let the threads drain on their own,
             // detached (never block a drop).
             self.shared.closing.store(true, Ordering::SeqCst);
             let _ = self
@@ -439,14 +560,42 @@ impl Drop for PipelineHandle {
     }
 }
 
-/// Starts the writer thread and returns the request path's [`Recorder`] and the owner's
-/// [`PipelineHandle`]. `capacity` and `batch_size` of 0 are treated as 1.
+/// Starts the pipeline without a spool: a batch that fails every retry is lost (counted).
+/// Returns the request path's [`Recorder`] and the owner's [`PipelineHandle`]. `capacity`,
+/// `batch_size` and `handoff_batches` of 0 are treated as 1.
 pub fn spawn_pipeline(
     sink: Box<dyn RecordSink>,
     cfg: PipelineConfig,
     obs: Arc<dyn PipelineObserver>,
 ) -> (Recorder, PipelineHandle) {
-    let (tx, rx) = mpsc::sync_channel(cfg.capacity.max(1));
+    spawn(sink, cfg, None, obs)
+}
+
+/// Starts the pipeline with an on-disk [`Spool`] (already opened: it may hold batches of an
+/// earlier run, which are replayed first). See the module docs.
+pub fn spawn_pipeline_with_spool(
+    sink: Box<dyn RecordSink>,
+    cfg: PipelineConfig,
+    spool: Spool,
+    obs: Arc<dyn PipelineObserver>,
+) -> (Recorder, PipelineHandle) {
+    spawn(sink, cfg, Some(spool), obs)
+}
+
+fn spawn(
+    sink: Box<dyn RecordSink>,
+    cfg: PipelineConfig,
+    spool: Option<Spool>,
+    obs: Arc<dyn PipelineObserver>,
+) -> (Recorder, PipelineHandle) {
+    let cfg = PipelineConfig {
+        capacity: cfg.capacity.max(1),
+        batch_size: cfg.batch_size.max(1),
+        handoff_batches: cfg.handoff_batches.max(1),
+        ..cfg
+    };
+    let (tx, rx) = mpsc::sync_channel(cfg.capacity);
+    let (job_tx, job_rx) = mpsc::sync_channel(cfg.handoff_batches);
     let shared = Arc::new(Shared {
         obs,
         closing: AtomicBool::new(false),
@@ -458,125 +607,310 @@ pub fn spawn_pipeline(
         updates_enqueued: AtomicU64::new(0),
         updates_unmatched: AtomicU64::new(0),
         warned_drop: AtomicBool::new(false),
+        spooled: AtomicU64::new(0),
     });
-    let mut writer = Writer {
-        rx,
-        sink,
-        batch: Vec::with_capacity(cfg.batch_size.max(1)),
-        updates: Vec::new(),
-        cfg: PipelineConfig {
-            batch_size: cfg.batch_size.max(1),
-            ..cfg
-        },
+    let has_spool = spool.is_some();
+    let link = Arc::new(Link {
+        delivery: Mutex::new(Delivery {
+            healthy: spool.as_ref().is_none_or(Spool::is_empty),
+            spool,
+        }),
+        state: Mutex::new(SpoolState::default()),
+        jobs: job_tx,
         shared: Arc::clone(&shared),
-        deadline: None,
-    };
-    let thread = std::thread::Builder::new()
-        .name("tokenscope-writer".to_owned())
-        .spawn(move || writer.run());
-    let thread = match thread {
-        Ok(t) => Some(t),
-        Err(e) => {
-            // The receiver was moved into the failed closure and dropped: every record will
-            // count as a `Closed` drop.
-            tracing::error!(error = %e, "could not start the tokenscope record writer thread");
-            None
+        has_spool,
+    });
+    {
+        let d = link.lock();
+        link.publish(&d);
+        if let Some(sp) = d.spool.as_ref() {
+            if !sp.is_empty() {
+                tracing::info!(
+                    batches = sp.len(),
+                    bytes = sp.bytes(),
+                    "tokenscope spool holds batches from an earlier run; replaying them"
+                );
+            }
         }
+    }
+    let mut batcher = Batcher {
+        rx,
+        batch: Batch::default(),
+        cfg: cfg.clone(),
+        link: Arc::clone(&link),
     };
+    let mut sender = Sender {
+        jobs: job_rx,
+        sink,
+        cfg,
+        link: Arc::clone(&link),
+        deadline: None,
+        retry_at: None,
+        attempt: 0,
+        last_error: None,
+    };
+    let mut threads = Vec::with_capacity(2);
+    for (name, body) in [
+        (
+            "tokenscope-batcher",
+            Box::new(move || batcher.run()) as Box<dyn FnOnce() + Send>,
+        ),
+        ("tokenscope-writer", Box::new(move || sender.run())),
+    ] {
+        match std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(body)
+        {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                // The receiver moved into the failed closure is dropped: every record then
+                // counts as a `Closed` drop (or waits in the spool for the next start).
+                tracing::error!(error = %e, thread = name, "could not start a tokenscope pipeline thread");
+            }
+        }
+    }
     (
         Recorder {
             tx: tx.clone(),
             shared: Arc::clone(&shared),
         },
-        PipelineHandle { tx, shared, thread },
+        PipelineHandle {
+            tx,
+            shared,
+            threads,
+            link,
+        },
     )
 }
 
-struct Writer {
-    rx: Receiver<Msg>,
-    sink: Box<dyn RecordSink>,
-    batch: Vec<RequestRecord>,
-    /// Updates of the current flush, applied after `batch`.
+/// One unit of delivery: records, then the updates that arrived with them. Also the spool's
+/// payload (JSON).
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Batch {
+    /// Payload format version.
+    #[serde(default)]
+    v: u32,
+    records: Vec<RequestRecord>,
     updates: Vec<PhaseUpdate>,
-    cfg: PipelineConfig,
-    shared: Arc<Shared>,
-    /// Shutdown deadline, once shutdown began: no more backoff sleeps past it.
-    deadline: Option<Instant>,
 }
 
-impl Writer {
+impl Batch {
+    fn is_empty(&self) -> bool {
+        self.records.is_empty() && self.updates.is_empty()
+    }
+    fn len(&self) -> usize {
+        self.records.len() + self.updates.len()
+    }
+}
+
+/// What the batcher hands to the sender.
+enum Job {
+    Batch(Batch),
+    Flush(SyncSender<()>),
+    Shutdown(Instant),
+}
+
+/// The spool and the health flag, shared by the batcher (appends) and the sender (replays).
+struct Delivery {
+    spool: Option<Spool>,
+    /// `false` from a failed write until the spool is drained again: new batches go to the
+    /// spool, not to the sink.
+    healthy: bool,
+}
+
+struct Link {
+    delivery: Mutex<Delivery>,
+    /// Last published state (read by [`PipelineHandle::spool_state`]).
+    state: Mutex<SpoolState>,
+    jobs: SyncSender<Job>,
+    shared: Arc<Shared>,
+    has_spool: bool,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+impl Link {
+    fn lock(&self) -> MutexGuard<'_, Delivery> {
+        // A panic while holding the lock leaves the spool usable (its own state is consistent
+        // after every call), so poisoning is ignored.
+        self.delivery.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn state(&self) -> SpoolState {
+        *self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Recomputes and publishes the spool state.
+    fn publish(&self, d: &Delivery) {
+        let st = match d.spool.as_ref() {
+            Some(sp) => SpoolState {
+                batches: sp.len(),
+                bytes: sp.bytes(),
+                oldest_age: sp
+                    .oldest_appended_at_ms()
+                    .map(|at| Duration::from_millis(now_ms().saturating_sub(at)))
+                    .unwrap_or_default(),
+                store_up: d.healthy,
+            },
+            None => SpoolState {
+                store_up: d.healthy,
+                ..SpoolState::default()
+            },
+        };
+        *self.state.lock().unwrap_or_else(|e| e.into_inner()) = st;
+        self.shared.obs.on_spool_state(st);
+    }
+
+    /// Appends `batch` to the spool (the caller holds the lock and checked there is one). On
+    /// failure its records are lost and counted.
+    fn spill(&self, d: &mut Delivery, batch: Batch, in_memory: bool) {
+        let Some(spool) = d.spool.as_mut() else {
+            self.lose(batch, LossReason::SpoolError, in_memory);
+            return;
+        };
+        let payload = match serde_json::to_vec(&batch) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(error = %e, "could not encode a batch for the spool");
+                self.lose(batch, LossReason::SpoolError, in_memory);
+                return;
+            }
+        };
+        match spool.append(&payload) {
+            Ok(Append::Appended { .. }) => {
+                let rows = batch.records.len();
+                if in_memory {
+                    self.shared.spooled.fetch_add(rows as u64, Ordering::SeqCst);
+                    self.shared.obs.on_spooled(rows);
+                }
+                self.publish(d);
+            }
+            Ok(Append::Full) => {
+                tracing::error!(
+                    rows = batch.records.len(),
+                    spool_bytes = spool.bytes(),
+                    "tokenscope spool is full (its size cap is hit): the batch's records are LOST"
+                );
+                self.lose(batch, LossReason::SpoolFull, in_memory);
+            }
+            Err(e) => {
+                tracing::error!(error = %e, rows = batch.records.len(), "could not write to the tokenscope spool: the batch's records are LOST");
+                self.lose(batch, LossReason::SpoolError, in_memory);
+            }
+        }
+    }
+
+    /// Counts a batch's records as lost and its updates as unmatched.
+    fn lose(&self, batch: Batch, reason: LossReason, in_memory: bool) {
+        let rows = batch.records.len();
+        if rows > 0 {
+            self.shared.lost.fetch_add(rows as u64, Ordering::SeqCst);
+            self.shared.obs.on_lost(rows, reason, in_memory);
+        }
+        let n = batch.updates.len() as u64;
+        if n > 0 {
+            self.shared.updates_unmatched.fetch_add(n, Ordering::SeqCst);
+            self.shared
+                .obs
+                .on_update_unmatched(UnmatchedReason::WriteFailed, n);
+        }
+    }
+
+    /// Blocking send of a job (control messages, or batches without a spool), giving up at
+    /// `until`. `false` when the sender is gone or the deadline passed.
+    fn send_job(&self, mut job: Job, until: Option<Instant>) -> Result<(), Job> {
+        loop {
+            match self.jobs.try_send(job) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Disconnected(j)) => return Err(j),
+                Err(TrySendError::Full(j)) => {
+                    if until.is_some_and(|u| Instant::now() >= u) {
+                        return Err(j);
+                    }
+                    job = j;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+}
+
+/// Cuts the queue into batches and routes them: to the sender while the store keeps up, to
+/// the spool otherwise.
+struct Batcher {
+    rx: Receiver<Msg>,
+    batch: Batch,
+    cfg: PipelineConfig,
+    link: Arc<Link>,
+}
+
+impl Batcher {
     fn run(&mut self) {
         let mut flush_at: Option<Instant> = None;
-        let mut housekeeping_at = Instant::now() + HOUSEKEEPING_INTERVAL;
         loop {
-            let wake = flush_at.map_or(housekeeping_at, |f| f.min(housekeeping_at));
-            let msg = self
-                .rx
-                .recv_timeout(wake.saturating_duration_since(Instant::now()));
+            let msg = match flush_at {
+                Some(f) => self
+                    .rx
+                    .recv_timeout(f.saturating_duration_since(Instant::now())),
+                None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            };
             match msg {
                 Ok(Msg::Record(rec)) => {
-                    if self.is_empty() {
+                    if self.batch.is_empty() {
                         flush_at = Some(Instant::now() + self.cfg.flush_interval);
                     }
-                    self.batch.push(*rec);
-                    if self.is_full() {
-                        self.write();
+                    self.batch.records.push(*rec);
+                    if self.batch.len() >= self.cfg.batch_size {
+                        self.deliver(None);
                         flush_at = None;
                     }
                 }
                 Ok(Msg::Update(up)) => {
-                    if self.is_empty() {
+                    if self.batch.is_empty() {
                         flush_at = Some(Instant::now() + self.cfg.flush_interval);
                     }
-                    self.updates.push(*up);
-                    if self.is_full() {
-                        self.write();
+                    self.batch.updates.push(*up);
+                    if self.batch.len() >= self.cfg.batch_size {
+                        self.deliver(None);
                         flush_at = None;
                     }
                 }
                 Ok(Msg::Flush(ack)) => {
                     // FIFO: everything recorded before the flush request is already batched.
-                    self.write();
+                    self.deliver(None);
                     flush_at = None;
-                    let _ = ack.try_send(());
+                    if let Err(Job::Flush(ack)) = self.link.send_job(Job::Flush(ack), None) {
+                        let _ = ack.try_send(());
+                    }
                 }
                 Ok(Msg::Shutdown(deadline)) => {
-                    self.deadline = Some(deadline);
-                    self.drain_for_shutdown();
+                    self.drain_for_shutdown(deadline);
+                    let _ = self.link.send_job(Job::Shutdown(deadline), Some(deadline));
                     return;
                 }
                 Err(RecvTimeoutError::Timeout) => {
-                    let now = Instant::now();
-                    if flush_at.is_some_and(|f| now >= f) {
-                        self.write();
-                        flush_at = None;
-                    }
-                    if now >= housekeeping_at {
-                        self.collect_unmatched(false);
-                        housekeeping_at = now + HOUSEKEEPING_INTERVAL;
-                    }
+                    self.deliver(None);
+                    flush_at = None;
                 }
                 Err(RecvTimeoutError::Disconnected) => {
-                    self.write();
-                    self.collect_unmatched(true);
+                    let deadline = Instant::now() + Duration::from_secs(5);
+                    self.deliver(Some(deadline));
+                    let _ = self.link.send_job(Job::Shutdown(deadline), Some(deadline));
                     return;
                 }
             }
         }
     }
 
-    fn is_empty(&self) -> bool {
-        self.batch.is_empty() && self.updates.is_empty()
-    }
-
-    fn is_full(&self) -> bool {
-        self.batch.len() + self.updates.len() >= self.cfg.batch_size
-    }
-
     /// Shutdown: intake is closed; wait for `record` / `update` calls racing the close, then
-    /// write everything still queued, then report the updates the sink still kept.
-    fn drain_for_shutdown(&mut self) {
-        let s = Arc::clone(&self.shared);
+    /// deliver everything still queued.
+    fn drain_for_shutdown(&mut self, deadline: Instant) {
+        let s = Arc::clone(&self.link.shared);
         s.closing.store(true, Ordering::SeqCst);
         while s.in_flight.load(Ordering::SeqCst) != 0 {
             std::thread::yield_now();
@@ -584,67 +918,346 @@ impl Writer {
         loop {
             match self.rx.try_recv() {
                 Ok(Msg::Record(rec)) => {
-                    self.batch.push(*rec);
-                    if self.is_full() {
-                        self.write();
+                    self.batch.records.push(*rec);
+                    if self.batch.len() >= self.cfg.batch_size {
+                        self.deliver(Some(deadline));
                     }
                 }
                 Ok(Msg::Update(up)) => {
-                    self.updates.push(*up);
-                    if self.is_full() {
-                        self.write();
+                    self.batch.updates.push(*up);
+                    if self.batch.len() >= self.cfg.batch_size {
+                        self.deliver(Some(deadline));
                     }
                 }
                 Ok(Msg::Flush(ack)) => {
-                    self.write();
+                    self.deliver(Some(deadline));
                     let _ = ack.try_send(());
                 }
                 Ok(Msg::Shutdown(_)) => {}
                 Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
             }
         }
-        self.write();
-        self.collect_unmatched(true);
+        self.deliver(Some(deadline));
     }
 
-    /// Writes the current batch's records, then applies its updates, each with retries; on
-    /// final failure counts the records as lost and the updates as unmatched.
-    fn write(&mut self) {
-        if !self.batch.is_empty() {
-            let rows = self.batch.len();
-            let batch = std::mem::take(&mut self.batch);
-            let res = self.with_retries("batch write", rows, |sink| sink.write_batch(&batch));
-            self.batch = batch;
-            self.batch.clear();
-            match res {
+    /// Routes the current batch. Without a spool it waits for room in the handoff (the bounded
+    /// queue in front absorbs the wait, and drops when full); `until` bounds that wait at
+    /// shutdown, after which the batch counts as lost.
+    fn deliver(&mut self, until: Option<Instant>) {
+        if self.batch.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.batch);
+        if !self.link.has_spool {
+            if let Err(Job::Batch(b)) = self.link.send_job(Job::Batch(batch), until) {
+                self.link.lose(b, LossReason::WriteFailed, true);
+            }
+            return;
+        }
+        let mut d = self.link.lock();
+        let spool_busy = !d.healthy || d.spool.as_ref().is_some_and(|s| !s.is_empty());
+        if spool_busy {
+            self.link.spill(&mut d, batch, true);
+            return;
+        }
+        match self.link.jobs.try_send(Job::Batch(batch)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(Job::Batch(b)) | TrySendError::Disconnected(Job::Batch(b))) => {
+                // The store is slower than the intake (or the sender is gone): spill.
+                self.link.spill(&mut d, b, true);
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// Owns the sink: writes handed-off batches, spills failed ones, replays the spool.
+struct Sender {
+    jobs: Receiver<Job>,
+    sink: Box<dyn RecordSink>,
+    cfg: PipelineConfig,
+    link: Arc<Link>,
+    /// Shutdown deadline, once shutdown began: no more backoff sleeps past it.
+    deadline: Option<Instant>,
+    /// When the spool may be tried again.
+    retry_at: Option<Instant>,
+    /// Consecutive failed replay attempts (drives the backoff).
+    attempt: u32,
+    /// Class of the last logged error and when it was logged.
+    last_error: Option<(ErrorClass, Instant)>,
+}
+
+impl Sender {
+    fn run(&mut self) {
+        let mut housekeeping_at = Instant::now() + HOUSEKEEPING_INTERVAL;
+        let mut state_at = Instant::now() + STATE_INTERVAL;
+        loop {
+            let now = Instant::now();
+            let mut wake = housekeeping_at.min(state_at);
+            if self.spool_pending() {
+                wake = wake.min(self.retry_at.unwrap_or(now));
+            }
+            match self.jobs.recv_timeout(wake.saturating_duration_since(now)) {
+                Ok(Job::Batch(b)) => self.write_direct(b),
+                Ok(Job::Flush(ack)) => {
+                    self.replay(true);
+                    let _ = ack.try_send(());
+                }
+                Ok(Job::Shutdown(deadline)) => {
+                    self.deadline = Some(deadline);
+                    // Anything still handed off (racing the shutdown) first.
+                    while let Ok(job) = self.jobs.try_recv() {
+                        match job {
+                            Job::Batch(b) => self.write_direct(b),
+                            Job::Flush(ack) => {
+                                let _ = ack.try_send(());
+                            }
+                            Job::Shutdown(_) => {}
+                        }
+                    }
+                    self.retry_at = None;
+                    self.replay(false);
+                    self.collect_unmatched(true);
+                    let d = self.link.lock();
+                    self.link.publish(&d);
+                    return;
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.collect_unmatched(true);
+                    return;
+                }
+            }
+            let now = Instant::now();
+            if self.spool_pending() && self.retry_at.is_none_or(|r| now >= r) {
+                self.replay(false);
+            }
+            if now >= housekeeping_at {
+                self.collect_unmatched(false);
+                housekeeping_at = now + HOUSEKEEPING_INTERVAL;
+            }
+            if now >= state_at {
+                let d = self.link.lock();
+                self.link.publish(&d);
+                state_at = now + STATE_INTERVAL;
+            }
+        }
+    }
+
+    fn spool_pending(&self) -> bool {
+        self.link.has_spool && self.link.lock().spool.as_ref().is_some_and(|s| !s.is_empty())
+    }
+
+    /// A handed-off batch: written now if the store is healthy and nothing waits before it,
+    /// else spooled. Without a spool: retried, then lost.
+    fn write_direct(&mut self, batch: Batch) {
+        if !self.link.has_spool {
+            // Records and updates separately: records whose updates fail are still written.
+            let Batch { records, updates, .. } = batch;
+            if !records.is_empty() {
+                match self.with_retries(records.len(), |sink| sink.write_batch(&records)) {
+                    Ok(latency) => self.written_rows(records.len(), latency, false),
+                    Err(_) => self.link.lose(
+                        Batch {
+                            records,
+                            ..Batch::default()
+                        },
+                        LossReason::WriteFailed,
+                        true,
+                    ),
+                }
+            }
+            if !updates.is_empty()
+                && self
+                    .with_retries(updates.len(), |sink| sink.apply_updates(&updates))
+                    .is_err()
+            {
+                self.link.lose(
+                    Batch {
+                        updates,
+                        ..Batch::default()
+                    },
+                    LossReason::WriteFailed,
+                    true,
+                );
+            }
+            self.collect_unmatched(false);
+            return;
+        }
+        {
+            let mut d = self.link.lock();
+            let busy = !d.healthy || d.spool.as_ref().is_some_and(|s| !s.is_empty());
+            if busy {
+                self.link.spill(&mut d, batch, true);
+                return;
+            }
+        }
+        match self.attempt_write(&batch) {
+            Ok(latency) => self.written(&batch, latency, false),
+            Err(err) => {
+                self.failed(&err);
+                let mut d = self.link.lock();
+                d.healthy = false;
+                self.link.spill(&mut d, batch, true);
+            }
+        }
+    }
+
+    /// Replays the spool oldest-first until it is empty, a write fails, the round's time is
+    /// up (to look at new jobs) or — with `once` — after one failed attempt.
+    fn replay(&mut self, once: bool) {
+        let round_end = Instant::now() + REPLAY_ROUND;
+        loop {
+            let entry = {
+                let mut d = self.link.lock();
+                let Some(spool) = d.spool.as_mut() else {
+                    return;
+                };
+                match spool.peek() {
+                    Ok(Some(e)) => e,
+                    Ok(None) => {
+                        if !d.healthy {
+                            d.healthy = true;
+                            tracing::info!("store recovered; tokenscope spool fully replayed");
+                        }
+                        self.link.publish(&d);
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "could not read the tokenscope spool");
+                        self.retry_at = Some(Instant::now() + self.cfg.retry_backoff_max);
+                        return;
+                    }
+                }
+            };
+            let batch: Batch = match serde_json::from_slice(&entry.payload) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::error!(error = %e, seq = entry.seq, "undecodable batch in the tokenscope spool; skipped (its records are LOST)");
+                    self.link.shared.obs.on_lost(0, LossReason::SpoolError, false);
+                    self.ack(entry.seq);
+                    continue;
+                }
+            };
+            match self.attempt_write(&batch) {
                 Ok(latency) => {
-                    self.shared.written.fetch_add(rows as u64, Ordering::SeqCst);
-                    self.shared.obs.on_written(rows, latency);
+                    self.ack(entry.seq);
+                    self.written(&batch, latency, true);
+                    self.attempt = 0;
+                    self.retry_at = None;
                 }
                 Err(err) => {
-                    self.shared.lost.fetch_add(rows as u64, Ordering::SeqCst);
-                    self.shared.obs.on_write_error(rows, &err);
+                    self.failed(&err);
+                    self.attempt += 1;
+                    if err.class() == ErrorClass::Rejected
+                        && self.attempt > self.cfg.retry_attempts
+                    {
+                        tracing::error!(error = %err, rows = batch.records.len(), "the store rejects a spooled batch's data on every attempt; dropping it (its records are LOST)");
+                        self.ack(entry.seq);
+                        self.link.lose(batch, LossReason::Rejected, false);
+                        self.attempt = 0;
+                        continue;
+                    }
+                    self.link.shared.obs.on_retry();
+                    let backoff = REPLAY_BACKOFF_BASE
+                        .saturating_mul(1_u32 << self.attempt.min(16))
+                        .min(self.cfg.retry_backoff_max);
+                    self.retry_at = Some(Instant::now() + backoff);
+                    let mut d = self.link.lock();
+                    d.healthy = false;
+                    self.link.publish(&d);
+                    return;
                 }
             }
-        }
-        if !self.updates.is_empty() {
-            let n = self.updates.len();
-            let updates = std::mem::take(&mut self.updates);
-            let res = self.with_retries("update", n, |sink| sink.apply_updates(&updates));
-            self.updates = updates;
-            self.updates.clear();
-            if res.is_err() {
-                self.unmatched(UnmatchedReason::WriteFailed, n as u64);
+            if once && Instant::now() >= round_end {
+                return;
+            }
+            if let Some(deadline) = self.deadline {
+                if Instant::now() >= deadline {
+                    return;
+                }
+            } else if Instant::now() >= round_end {
+                return;
             }
         }
+    }
+
+    fn ack(&mut self, seq: u64) {
+        let mut d = self.link.lock();
+        if let Some(spool) = d.spool.as_mut() {
+            if let Err(e) = spool.ack(seq) {
+                // Not acknowledged durably: the batch may be replayed once more after a
+                // restart, which the idempotent sinks absorb.
+                tracing::error!(error = %e, seq, "could not acknowledge a tokenscope spool entry");
+            }
+        }
+        self.link.publish(&d);
+    }
+
+    fn written(&mut self, batch: &Batch, latency: Duration, replayed: bool) {
+        self.written_rows(batch.records.len(), latency, replayed);
         self.collect_unmatched(false);
     }
 
-    /// Runs `op` on the sink until it succeeds (returning its duration) or has failed
-    /// `1 + retry_attempts` times, with exponential backoff; a panic counts as a failure.
+    fn written_rows(&mut self, rows: usize, latency: Duration, replayed: bool) {
+        if rows > 0 {
+            self.link
+                .shared
+                .written
+                .fetch_add(rows as u64, Ordering::SeqCst);
+            self.link.shared.obs.on_written(rows, latency, replayed);
+        }
+        if let Some((class, _)) = self.last_error.take() {
+            tracing::info!(
+                sink = self.sink.name(),
+                previous_error = class.as_str(),
+                "store accepts writes again"
+            );
+        }
+    }
+
+    /// Counts and (rate-limited) logs a failed store call.
+    fn failed(&mut self, err: &StoreError) {
+        let class = err.class();
+        self.link.shared.obs.on_store_error(class, err);
+        let now = Instant::now();
+        let log = match self.last_error {
+            Some((c, at)) => c != class || now.duration_since(at) >= ERROR_LOG_INTERVAL,
+            None => true,
+        };
+        if log {
+            self.last_error = Some((class, now));
+            let sink = self.sink.name();
+            if self.link.has_spool {
+                tracing::error!(sink, kind = class.as_str(), error = %err, "store write failed; batches go to the spool and are replayed when it recovers");
+            } else {
+                tracing::error!(sink, kind = class.as_str(), error = %err, "store write failed");
+            }
+        }
+    }
+
+    /// One attempt: records, then updates; a panic counts as a failure.
+    fn attempt_write(&mut self, batch: &Batch) -> Result<Duration, StoreError> {
+        let name = self.sink.name();
+        let start = Instant::now();
+        let sink = &mut self.sink;
+        let res = catch_unwind(AssertUnwindSafe(|| {
+            if !batch.records.is_empty() {
+                sink.write_batch(&batch.records)?;
+            }
+            if !batch.updates.is_empty() {
+                sink.apply_updates(&batch.updates)?;
+            }
+            Ok(())
+        }))
+        .unwrap_or(Err(StoreError::SinkPanicked(name)));
+        res.map(|()| start.elapsed())
+    }
+
+    /// Without a spool: `1 + retry_attempts` attempts of `op` with exponential backoff; a
+    /// panic counts as a failure.
     fn with_retries(
         &mut self,
-        what: &'static str,
         items: usize,
         mut op: impl FnMut(&mut dyn RecordSink) -> Result<(), StoreError>,
     ) -> Result<Duration, StoreError> {
@@ -655,12 +1268,9 @@ impl Writer {
             let res = catch_unwind(AssertUnwindSafe(|| op(self.sink.as_mut())))
                 .unwrap_or(Err(StoreError::SinkPanicked(name)));
             match res {
-                Ok(()) => {
-                    let latency = start.elapsed();
-                    tracing::trace!(sink = name, what, items, ?latency, "sink call succeeded");
-                    return Ok(latency);
-                }
+                Ok(()) => return Ok(start.elapsed()),
                 Err(err) => {
+                    self.failed(&err);
                     let backoff = BACKOFF_BASE
                         .saturating_mul(1_u32 << attempt.min(16))
                         .min(BACKOFF_MAX);
@@ -669,23 +1279,14 @@ impl Writer {
                     if attempt >= self.cfg.retry_attempts || past_deadline {
                         tracing::error!(
                             sink = name,
-                            what,
                             items,
                             attempts = attempt + 1,
                             error = %err,
-                            "tokenscope sink call failed for good; items lost"
+                            "tokenscope store write failed for good; the items are LOST (no spool configured)"
                         );
                         return Err(err);
                     }
-                    tracing::warn!(
-                        sink = name,
-                        what,
-                        items,
-                        attempt = attempt + 1,
-                        error = %err,
-                        ?backoff,
-                        "tokenscope sink call failed; retrying"
-                    );
+                    self.link.shared.obs.on_retry();
                     std::thread::sleep(backoff);
                     attempt += 1;
                 }
@@ -699,18 +1300,17 @@ impl Writer {
         let counts = catch_unwind(AssertUnwindSafe(|| sink.take_unmatched(shutting_down)))
             .unwrap_or_default();
         for (reason, n) in counts.nonzero() {
-            self.unmatched(reason, n);
+            self.link
+                .shared
+                .updates_unmatched
+                .fetch_add(n, Ordering::SeqCst);
+            self.link.shared.obs.on_update_unmatched(reason, n);
+            tracing::debug!(
+                reason = reason.as_str(),
+                updates = n,
+                "tokenscope engine updates left unapplied"
+            );
         }
-    }
-
-    fn unmatched(&self, reason: UnmatchedReason, n: u64) {
-        self.shared.updates_unmatched.fetch_add(n, Ordering::SeqCst);
-        self.shared.obs.on_update_unmatched(reason, n);
-        tracing::debug!(
-            reason = reason.as_str(),
-            updates = n,
-            "tokenscope engine updates left unapplied"
-        );
     }
 }
 
@@ -732,6 +1332,9 @@ mod tests {
         written: AtomicU64,
         errors: AtomicU64,
         unmatched: Mutex<Vec<(UnmatchedReason, u64)>>,
+        lost_reasons: Mutex<Vec<(LossReason, usize)>>,
+        spooled: AtomicU64,
+        store_errors: Mutex<Vec<ErrorClass>>,
     }
 
     impl PipelineObserver for CountingObserver {
@@ -744,11 +1347,24 @@ mod tests {
                 DropReason::Closed => self.dropped_closed.fetch_add(1, Ordering::SeqCst),
             };
         }
-        fn on_written(&self, rows: usize, _latency: Duration) {
+        fn on_written(&self, rows: usize, _latency: Duration, _replayed: bool) {
             self.written.fetch_add(rows as u64, Ordering::SeqCst);
         }
-        fn on_write_error(&self, rows: usize, _err: &StoreError) {
+        fn on_lost(&self, rows: usize, reason: LossReason, _in_memory: bool) {
             self.errors.fetch_add(rows as u64, Ordering::SeqCst);
+            self.lost_reasons
+                .lock()
+                .expect("reasons")
+                .push((reason, rows));
+        }
+        fn on_spooled(&self, rows: usize) {
+            self.spooled.fetch_add(rows as u64, Ordering::SeqCst);
+        }
+        fn on_store_error(&self, class: ErrorClass, _err: &StoreError) {
+            self.store_errors
+                .lock()
+                .expect("store errors")
+                .push(class);
         }
         fn on_update_unmatched(&self, reason: UnmatchedReason, updates: u64) {
             self.unmatched
@@ -860,6 +1476,7 @@ mod tests {
             batch_size,
             flush_interval: Duration::from_millis(20),
             retry_attempts: 3,
+            ..PipelineConfig::default()
         }
     }
 
@@ -867,8 +1484,22 @@ mod tests {
     fn defaults() {
         let c = PipelineConfig::default();
         assert_eq!(
-            (c.capacity, c.batch_size, c.flush_interval, c.retry_attempts),
-            (65_536, 1024, Duration::from_millis(200), 3)
+            (
+                c.capacity,
+                c.batch_size,
+                c.flush_interval,
+                c.retry_attempts,
+                c.handoff_batches,
+                c.retry_backoff_max
+            ),
+            (
+                65_536,
+                4096,
+                Duration::from_millis(200),
+                3,
+                4,
+                Duration::from_secs(5)
+            )
         );
     }
 
@@ -888,27 +1519,33 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(1));
         }
-        // 8 fit in the queue, the remaining 92 are dropped; none of these calls may block.
+        // Without a spool, the batcher absorbs one batch per handoff slot (4) plus the one it
+        // waits to hand off; give it time to take them.
+        for i in 1..=5 {
+            rec_tx.record(rec(i));
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        // Then 8 fit in the queue, the remaining 92 are dropped; none of these calls may block.
         let start = Instant::now();
-        for i in 1..=100 {
+        for i in 6..=105 {
             rec_tx.record(rec(i));
         }
         assert!(start.elapsed() < Duration::from_secs(1));
-        assert_eq!(rec_tx.queued(), 9);
+        assert_eq!(rec_tx.queued(), 14);
         assert_eq!(rec_tx.dropped(), 92);
         assert_eq!(obs.dropped_full.load(Ordering::SeqCst), 92);
-        assert_eq!(obs.enqueued.load(Ordering::SeqCst), 9);
-        assert_eq!(rec_tx.pending(), 9);
+        assert_eq!(obs.enqueued.load(Ordering::SeqCst), 14);
+        assert_eq!(rec_tx.pending(), 14);
 
         sink.unblock();
         let report = handle.shutdown(Duration::from_secs(10));
         assert!(!report.timed_out);
         assert_eq!(
             (report.enqueued, report.written, report.dropped, report.lost),
-            (9, 9, 92, 0)
+            (14, 14, 92, 0)
         );
-        assert_eq!(sink.ids().len(), 9);
-        assert_eq!(obs.written.load(Ordering::SeqCst), 9);
+        assert_eq!(sink.ids().len(), 14);
+        assert_eq!(obs.written.load(Ordering::SeqCst), 14);
         // After shutdown, records are counted as `Closed` drops.
         rec_tx.record(rec(1000));
         assert_eq!(rec_tx.dropped(), 93);
@@ -1020,6 +1657,240 @@ mod tests {
         assert_eq!((report.lost, report.written, report.abandoned), (5, 0, 0));
     }
 
+    fn spool_at(dir: &std::path::Path, max_bytes: u64) -> Spool {
+        Spool::open(crate::SpoolConfig {
+            dir: dir.to_path_buf(),
+            max_bytes,
+            segment_bytes: 64 * 1024,
+            fsync: false,
+        })
+        .expect("open spool")
+    }
+
+    fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+        let t0 = Instant::now();
+        while !f() {
+            assert!(t0.elapsed() < Duration::from_secs(20), "timed out: {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn spool_cfg() -> PipelineConfig {
+        PipelineConfig {
+            capacity: 1000,
+            batch_size: 10,
+            flush_interval: Duration::from_millis(10),
+            retry_attempts: 3,
+            handoff_batches: 2,
+            retry_backoff_max: Duration::from_millis(200),
+        }
+    }
+
+    #[test]
+    fn store_down_spools_then_replays_exactly_once() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let sink = MemSink::default();
+        sink.fail_first.store(u64::MAX, Ordering::SeqCst); // the store is down
+        let obs = Arc::new(CountingObserver::default());
+        let (rec_tx, handle) = spawn_pipeline_with_spool(
+            Box::new(sink.clone()),
+            spool_cfg(),
+            spool_at(dir.path(), 1 << 30),
+            obs.clone(),
+        );
+        for i in 0..500 {
+            rec_tx.record(rec(i));
+            if i % 100 == 0 {
+                rec_tx.update(up(i));
+            }
+        }
+        handle.flush();
+        // Nothing written, nothing lost: everything is on disk.
+        assert_eq!((rec_tx.written(), rec_tx.lost(), rec_tx.dropped()), (0, 0, 0));
+        assert_eq!(obs.spooled.load(Ordering::SeqCst), 500);
+        let st = handle.spool_state();
+        assert!(st.batches >= 50 && st.bytes > 0 && !st.store_up, "{st:?}");
+        assert!(obs
+            .store_errors
+            .lock()
+            .expect("errors")
+            .iter()
+            .all(|c| *c == ErrorClass::Unavailable));
+        // The store comes back: replayed oldest-first, every row once.
+        sink.fail_first.store(0, Ordering::SeqCst);
+        wait_until("replay", || rec_tx.written() == 500);
+        wait_until("spool empty", || handle.spool_state().batches == 0);
+        // Every row exactly once. (Order is per spool FIFO: a batch whose direct write failed
+        // is spooled after those spilled meanwhile.)
+        let mut ids = sink.ids();
+        ids.sort();
+        assert_eq!(ids, (0..500).map(|i| format!("r{i:06}")).collect::<Vec<_>>());
+        assert_eq!(sink.updates.lock().expect("updates").len(), 5);
+        let report = handle.shutdown(Duration::from_secs(5));
+        assert_eq!(
+            (report.written, report.lost, report.spooled, report.spooled_batches),
+            (500, 0, 500, 0)
+        );
+        assert!(handle_state_up(&obs));
+    }
+
+    fn handle_state_up(obs: &CountingObserver) -> bool {
+        obs.errors.load(Ordering::SeqCst) == 0
+    }
+
+    #[test]
+    fn slow_store_spills_instead_of_dropping() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let sink = MemSink::default();
+        sink.block(); // every write hangs until unblocked
+        let obs = Arc::new(CountingObserver::default());
+        let mut c = spool_cfg();
+        c.capacity = 1024; // a small queue: without the spool most records would be dropped
+        let (rec_tx, handle) = spawn_pipeline_with_spool(
+            Box::new(sink.clone()),
+            c,
+            spool_at(dir.path(), 1 << 30),
+            obs.clone(),
+        );
+        for i in 0..2000 {
+            rec_tx.record(rec(i));
+            if i % 8 == 0 {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        wait_until("spilled", || obs.spooled.load(Ordering::SeqCst) > 900);
+        assert_eq!(rec_tx.dropped(), 0, "the request path must not drop");
+        sink.unblock();
+        wait_until("all written", || rec_tx.written() == 2000);
+        let mut ids = sink.ids();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), 2000);
+        let report = handle.shutdown(Duration::from_secs(5));
+        assert_eq!((report.lost, report.dropped, report.spooled_batches), (0, 0, 0));
+    }
+
+    #[test]
+    fn spool_survives_a_restart_and_replays_on_the_next_start() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let down = MemSink::default();
+        down.fail_first.store(u64::MAX, Ordering::SeqCst);
+        let (rec_tx, handle) = spawn_pipeline_with_spool(
+            Box::new(down.clone()),
+            spool_cfg(),
+            spool_at(dir.path(), 1 << 30),
+            Arc::new(NoopObserver),
+        );
+        for i in 0..300 {
+            rec_tx.record(rec(i));
+        }
+        let report = handle.shutdown(Duration::from_millis(500));
+        assert_eq!((report.written, report.lost, report.spooled), (0, 0, 300));
+        assert!(report.spooled_batches >= 30);
+        assert!(down.ids().is_empty());
+
+        // Next start, store up: the earlier run's batches are replayed before anything else.
+        let up_sink = MemSink::default();
+        let (rec2, handle2) = spawn_pipeline_with_spool(
+            Box::new(up_sink.clone()),
+            spool_cfg(),
+            spool_at(dir.path(), 1 << 30),
+            Arc::new(NoopObserver),
+        );
+        wait_until("replayed", || rec2.written() == 300);
+        rec2.record(rec(1000));
+        handle2.flush();
+        let ids = up_sink.ids();
+        assert_eq!(ids.len(), 301);
+        // The earlier run's rows come first, each once; the new record after them.
+        let mut first: Vec<String> = ids[..300].to_vec();
+        first.sort();
+        assert_eq!(first, (0..300).map(|i| format!("r{i:06}")).collect::<Vec<_>>());
+        assert_eq!(ids[300], "r001000");
+        let report = handle2.shutdown(Duration::from_secs(5));
+        assert_eq!((report.spooled_batches, report.lost), (0, 0));
+    }
+
+    #[test]
+    fn spool_cap_loses_and_says_so() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let sink = MemSink::default();
+        sink.fail_first.store(u64::MAX, Ordering::SeqCst);
+        let obs = Arc::new(CountingObserver::default());
+        // Room for a few batches only.
+        let (rec_tx, handle) = spawn_pipeline_with_spool(
+            Box::new(sink.clone()),
+            spool_cfg(),
+            spool_at(dir.path(), 8 * 1024),
+            obs.clone(),
+        );
+        for i in 0..400 {
+            rec_tx.record(rec(i));
+        }
+        handle.flush();
+        let lost = rec_tx.lost();
+        assert!(lost > 0, "the cap must be hit");
+        assert_eq!(lost + obs.spooled.load(Ordering::SeqCst), 400);
+        assert!(obs
+            .lost_reasons
+            .lock()
+            .expect("reasons")
+            .iter()
+            .all(|(r, _)| *r == LossReason::SpoolFull));
+        let report = handle.shutdown(Duration::from_millis(300));
+        assert_eq!(report.lost, lost);
+    }
+
+    #[test]
+    fn rejected_batch_is_dropped_after_retries_and_the_rest_flows() {
+        /// Rejects any batch holding record `r000003`, accepts the others.
+        #[derive(Clone, Default)]
+        struct Picky(Arc<Mutex<Vec<String>>>);
+        impl RecordSink for Picky {
+            fn write_batch(&mut self, batch: &[RequestRecord]) -> Result<(), StoreError> {
+                if batch.iter().any(|r| r.request_id == "r000003") {
+                    return Err(StoreError::Sink {
+                        sink: "picky",
+                        class: ErrorClass::Rejected,
+                        message: "bad row".to_owned(),
+                    });
+                }
+                self.0
+                    .lock()
+                    .expect("rows")
+                    .extend(batch.iter().map(|r| r.request_id.clone()));
+                Ok(())
+            }
+            fn name(&self) -> &'static str {
+                "picky"
+            }
+        }
+        let dir = tempfile::tempdir().expect("tmp");
+        let sink = Picky::default();
+        let obs = Arc::new(CountingObserver::default());
+        let mut c = spool_cfg();
+        c.batch_size = 5;
+        c.retry_backoff_max = Duration::from_millis(20);
+        let (rec_tx, handle) = spawn_pipeline_with_spool(
+            Box::new(sink.clone()),
+            c,
+            spool_at(dir.path(), 1 << 30),
+            obs.clone(),
+        );
+        for i in 0..20 {
+            rec_tx.record(rec(i));
+        }
+        handle.flush();
+        wait_until("rest written", || rec_tx.written() + rec_tx.lost() == 20);
+        assert_eq!(rec_tx.lost(), 5);
+        assert_eq!(sink.0.lock().expect("rows").len(), 15);
+        assert_eq!(
+            *obs.lost_reasons.lock().expect("reasons"),
+            vec![(LossReason::Rejected, 5)]
+        );
+        handle.shutdown(Duration::from_secs(5));
+    }
+
     #[test]
     fn panicking_sink_is_contained() {
         struct Panicky;
@@ -1116,12 +1987,17 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(1));
         }
+        // The batcher absorbs 4 handoff slots + the one it waits to hand off.
+        for i in 100..105 {
+            rec_tx.update(up(i));
+            std::thread::sleep(Duration::from_millis(30));
+        }
         let start = Instant::now();
         for i in 0..10 {
             rec_tx.update(up(i));
         }
         assert!(start.elapsed() < Duration::from_secs(1));
-        assert_eq!((rec_tx.updates_queued(), rec_tx.dropped()), (4, 6));
+        assert_eq!((rec_tx.updates_queued(), rec_tx.dropped()), (9, 6));
         assert_eq!(obs.dropped_full.load(Ordering::SeqCst), 6);
         // Not counted as queued records.
         assert_eq!(
@@ -1131,7 +2007,7 @@ mod tests {
         sink.unblock();
         let report = handle.shutdown(Duration::from_secs(10));
         assert_eq!((report.written, report.dropped), (1, 6));
-        assert_eq!(sink.updates.lock().expect("updates").len(), 4);
+        assert_eq!(sink.updates.lock().expect("updates").len(), 9);
         rec_tx.update(up(99));
         assert_eq!(obs.dropped_closed.load(Ordering::SeqCst), 1);
     }

@@ -2044,16 +2044,16 @@ mod tests {
         let store = fixture();
         let mut q = q(vec![Dimension::Model, Dimension::Stream]);
         q.interval = Some(Duration::from_secs(3600));
-        let want = run_report_at(store.conn(), &q, 9_000_000_000).unwrap();
+        let want = run_report_at(store.conn(), &q, 9_000_000_000).expect("report");
         // Feed the same rows through the public scanner, as an external store would.
-        let (sql, params, _) = report_sql(&q, q.since_us, q.until_us).unwrap();
-        let mut stmt = store.conn().prepare(&sql).unwrap();
+        let (sql, params, _) = report_sql(&q, q.since_us, q.until_us).expect("report");
+        let mut stmt = store.conn().prepare(&sql).expect("report");
         let n = stmt.column_count();
-        let mut rows = stmt.query(rusqlite::params_from_iter(params)).unwrap();
-        let mut sc = Scanner::new(&q).unwrap();
-        while let Some(r) = rows.next().unwrap() {
+        let mut rows = stmt.query(rusqlite::params_from_iter(params)).expect("report");
+        let mut sc = Scanner::new(&q).expect("report");
+        while let Some(r) = rows.next().expect("report") {
             let owned: Vec<rusqlite::types::Value> = (0..n)
-                .map(|i| r.get::<_, rusqlite::types::Value>(i).unwrap())
+                .map(|i| r.get::<_, rusqlite::types::Value>(i).expect("report"))
                 .collect();
             let vals: Vec<ScanValue<'_>> = owned
                 .iter()
@@ -2082,7 +2082,7 @@ mod tests {
             (Dimension::GpuBand, "50-80%".to_owned()),
             (Dimension::Stream, "true".to_owned()),
         ];
-        let sel = clickhouse_select(&q, "db.llm_inference_log").unwrap();
+        let sel = clickhouse_select(&q, "db.llm_inference_log").expect("select");
         assert_eq!(
             sel.sql,
             "SELECT toInt64(outcome = 'ok'), ttft_ms, tpot_ms, total_duration_ms, input_tokens, \
@@ -2096,7 +2096,7 @@ mod tests {
         assert_eq!(sel.kinds[10], ColKind::Text);
         assert_eq!(sel.kinds[11], ColKind::Real);
         q.interval = Some(Duration::from_secs(60));
-        let sel = clickhouse_select(&q, "t").unwrap();
+        let sel = clickhouse_select(&q, "t").expect("select");
         assert!(sel
             .sql
             .contains("decode_duration_ms, created_at_us, user_id"));

@@ -70,7 +70,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rusqlite::types::Type;
-use rusqlite::{params, Connection, OpenFlags, OptionalExtension, Row, TransactionBehavior};
+use rusqlite::{
+    params, Connection, OpenFlags, OptionalExtension, Row, Statement, ToSql, TransactionBehavior,
+};
 use tokenscope_core::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
 };
@@ -352,60 +354,23 @@ impl SqliteStore {
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
         let mut inserted = 0;
         {
-            let mut stmt = tx.prepare_cached(&insert_sql())?;
-            for r in records {
-                inserted += stmt.execute(params![
-                    r.request_id,
-                    r.trace_id,
-                    r.created_at,
-                    r.model,
-                    r.model_served,
-                    r.upstream,
-                    r.user_id,
-                    r.tenant,
-                    r.business_line,
-                    r.request_type,
-                    r.api_key_id,
-                    r.endpoint.as_str(),
-                    r.stream,
-                    r.http_status,
-                    r.outcome.as_str(),
-                    r.error_type,
-                    r.finish_reason,
-                    opt_i64(r.max_tokens),
-                    opt_i64(r.input_tokens),
-                    opt_i64(r.output_tokens),
-                    opt_i64(r.cached_tokens),
-                    opt_i64(r.reasoning_tokens),
-                    r.input_tokens_source.as_str(),
-                    r.output_tokens_source.as_str(),
-                    r.input_bucket.map(InputBucket::as_str),
-                    r.queue_duration_ms,
-                    r.prefill_duration_ms,
-                    r.decode_duration_ms,
-                    r.queue_source.as_str(),
-                    r.prefill_source.as_str(),
-                    r.decode_source.as_str(),
-                    r.ttft_ms,
-                    r.tpot_ms,
-                    r.itl_max_ms,
-                    r.itl_mean_ms,
-                    r.total_duration_ms,
-                    r.upstream_headers_ms,
-                    r.gateway_overhead_ms,
-                    opt_i64(r.chunks),
-                    r.prompt_hash,
-                    r.prompt_text,
-                    opt_i64(r.draft_tokens),
-                    opt_i64(r.draft_accepted_tokens),
-                    r.engine,
-                    opt_i64(r.input_tokens_entry),
-                    r.engine_running,
-                    r.engine_waiting,
-                    r.engine_kv_usage,
-                    r.gpu_utilization,
-                    r.gpu_memory_bandwidth,
-                ])?;
+            // Full chunks of `ROWS_PER_INSERT` rows through one multi-row statement, the
+            // remainder row by row: one VM run per chunk instead of per row.
+            let mut chunks = records.chunks_exact(ROWS_PER_INSERT);
+            let mut stmt = tx.prepare_cached(&insert_sql(ROWS_PER_INSERT))?;
+            for chunk in &mut chunks {
+                for (i, r) in chunk.iter().enumerate() {
+                    bind_record(&mut stmt, i * COLUMNS.len(), r)?;
+                }
+                inserted += stmt.raw_execute()?;
+            }
+            let rest = chunks.remainder();
+            if !rest.is_empty() {
+                let mut one = tx.prepare_cached(&insert_sql(1))?;
+                for r in rest {
+                    bind_record(&mut one, 0, r)?;
+                    inserted += one.raw_execute()?;
+                }
             }
         }
         // Engine updates that arrived before their row: apply them in the same transaction,
@@ -549,13 +514,81 @@ impl SqliteStore {
     }
 }
 
-fn insert_sql() -> String {
-    let placeholders: Vec<String> = (1..=COLUMNS.len()).map(|i| format!("?{i}")).collect();
+/// Rows per multi-row `INSERT` statement in [`SqliteStore::insert_batch`]
+/// (`ROWS_PER_INSERT × 50` parameters; SQLite allows 32 766).
+const ROWS_PER_INSERT: usize = 32;
+
+/// `INSERT OR IGNORE INTO llm_inference_log (<COLUMNS>) VALUES (?,…), …` for `rows` rows,
+/// parameters numbered row after row in [`COLUMNS`] order.
+fn insert_sql(rows: usize) -> String {
+    let n = COLUMNS.len();
+    let row = format!("({})", vec!["?"; n].join(","));
     format!(
-        "INSERT OR IGNORE INTO {TABLE} ({}) VALUES ({})",
+        "INSERT OR IGNORE INTO {TABLE} ({}) VALUES {}",
         COLUMNS.join(", "),
-        placeholders.join(", ")
+        vec![row; rows].join(",")
     )
+}
+
+/// Binds `r` to parameters `base + 1 ..= base + 50` of `stmt`, in [`COLUMNS`] order.
+fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusqlite::Result<()> {
+    let mut i = base;
+    let mut bind = |stmt: &mut Statement<'_>, v: &dyn ToSql| {
+        i += 1;
+        stmt.raw_bind_parameter(i, v)
+    };
+    bind(stmt, &r.request_id)?;
+    bind(stmt, &r.trace_id)?;
+    bind(stmt, &r.created_at)?;
+    bind(stmt, &r.model)?;
+    bind(stmt, &r.model_served)?;
+    bind(stmt, &r.upstream)?;
+    bind(stmt, &r.user_id)?;
+    bind(stmt, &r.tenant)?;
+    bind(stmt, &r.business_line)?;
+    bind(stmt, &r.request_type)?;
+    bind(stmt, &r.api_key_id)?;
+    bind(stmt, &r.endpoint.as_str())?;
+    bind(stmt, &r.stream)?;
+    bind(stmt, &r.http_status)?;
+    bind(stmt, &r.outcome.as_str())?;
+    bind(stmt, &r.error_type)?;
+    bind(stmt, &r.finish_reason)?;
+    bind(stmt, &opt_i64(r.max_tokens))?;
+    bind(stmt, &opt_i64(r.input_tokens))?;
+    bind(stmt, &opt_i64(r.output_tokens))?;
+    bind(stmt, &opt_i64(r.cached_tokens))?;
+    bind(stmt, &opt_i64(r.reasoning_tokens))?;
+    bind(stmt, &r.input_tokens_source.as_str())?;
+    bind(stmt, &r.output_tokens_source.as_str())?;
+    bind(stmt, &r.input_bucket.map(InputBucket::as_str))?;
+    bind(stmt, &r.queue_duration_ms)?;
+    bind(stmt, &r.prefill_duration_ms)?;
+    bind(stmt, &r.decode_duration_ms)?;
+    bind(stmt, &r.queue_source.as_str())?;
+    bind(stmt, &r.prefill_source.as_str())?;
+    bind(stmt, &r.decode_source.as_str())?;
+    bind(stmt, &r.ttft_ms)?;
+    bind(stmt, &r.tpot_ms)?;
+    bind(stmt, &r.itl_max_ms)?;
+    bind(stmt, &r.itl_mean_ms)?;
+    bind(stmt, &r.total_duration_ms)?;
+    bind(stmt, &r.upstream_headers_ms)?;
+    bind(stmt, &r.gateway_overhead_ms)?;
+    bind(stmt, &opt_i64(r.chunks))?;
+    bind(stmt, &r.prompt_hash)?;
+    bind(stmt, &r.prompt_text)?;
+    bind(stmt, &opt_i64(r.draft_tokens))?;
+    bind(stmt, &opt_i64(r.draft_accepted_tokens))?;
+    bind(stmt, &r.engine)?;
+    bind(stmt, &opt_i64(r.input_tokens_entry))?;
+    bind(stmt, &r.engine_running)?;
+    bind(stmt, &r.engine_waiting)?;
+    bind(stmt, &r.engine_kv_usage)?;
+    bind(stmt, &r.gpu_utilization)?;
+    bind(stmt, &r.gpu_memory_bandwidth)?;
+    debug_assert_eq!(i - base, COLUMNS.len());
+    Ok(())
 }
 
 /// The late-engine-data statement (see [`SqliteStore::apply_updates`]). Parameters: 1 trace

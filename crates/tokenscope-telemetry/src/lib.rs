@@ -80,12 +80,27 @@ pub struct TokenLabels {
     pub user_bucket: String,
 }
 
-/// `{reason}` for dropped records.
+/// `{reason}` for dropped or lost records.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
-    /// Why the record was dropped (`queue_full`, `closed`, `write_failed`).
+    /// Why the record was dropped (`queue_full`, `closed`) or lost (`spool_full`,
+    /// `spool_error`, `write_failed`, `rejected`).
     pub reason: &'static str,
 }
+
+/// `{kind}` for store errors.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// `unavailable`, `auth`, `schema`, `rejected`, `other`.
+    pub kind: &'static str,
+}
+
+/// Drop reasons (before the queue), pre-created at 0.
+pub const DROP_REASONS: [&str; 2] = ["queue_full", "closed"];
+/// Loss reasons (accepted records never stored), pre-created at 0.
+pub const LOSS_REASONS: [&str; 4] = ["spool_full", "spool_error", "write_failed", "rejected"];
+/// Store error kinds, pre-created at 0.
+pub const STORE_ERROR_KINDS: [&str; 5] = ["unavailable", "auth", "schema", "rejected", "other"];
 
 /// Label options.
 #[derive(Debug, Clone)]
@@ -127,7 +142,15 @@ pub struct Metrics {
     records_dropped: Family<ReasonLabels, Counter>,
     records_queued: Gauge<i64, std::sync::atomic::AtomicI64>,
     store_write: Histogram,
-    store_write_errors: Counter,
+    records_lost: Family<ReasonLabels, Counter>,
+    records_spooled: Counter,
+    records_replayed: Counter,
+    store_errors: Family<KindLabels, Counter>,
+    store_retries: Counter,
+    spool_bytes: Gauge<i64, std::sync::atomic::AtomicI64>,
+    spool_batches: Gauge<i64, std::sync::atomic::AtomicI64>,
+    spool_oldest_age: Gauge<f64, AtomicU64>,
+    store_up: Gauge<i64, std::sync::atomic::AtomicI64>,
     gateway_overhead: Histogram,
     upstream_bytes: Counter<u64, AtomicU64>,
     token_mismatch: Family<ModelLabels, Counter>,
@@ -193,7 +216,16 @@ impl Metrics {
         let records_dropped = Family::<ReasonLabels, Counter>::default();
         let records_queued = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
         let store_write = Histogram::new(STORE_WRITE_BUCKETS);
-        let store_write_errors = Counter::default();
+        let records_lost = Family::<ReasonLabels, Counter>::default();
+        let records_spooled = Counter::default();
+        let records_replayed = Counter::default();
+        let store_errors = Family::<KindLabels, Counter>::default();
+        let store_retries = Counter::default();
+        let spool_bytes = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
+        let spool_batches = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
+        let spool_oldest_age = Gauge::<f64, AtomicU64>::default();
+        let store_up = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
+        store_up.set(1);
         let gateway_overhead = Histogram::new([
             0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05,
         ]);
@@ -222,24 +254,66 @@ impl Metrics {
         );
         registry.register(
             "tokenscope_records_dropped",
-            "Records lost, by reason (must stay 0 in normal operation)",
+            "Records and engine updates refused before the store queue, by reason (queue full, shutting down)",
             records_dropped.clone(),
         );
         registry.register(
+            "tokenscope_records_lost",
+            "Accepted records that were never stored, by reason; stays 0 unless the spool cap is hit (spool_full), the disk fails, there is no spool, or the store rejects the data",
+            records_lost.clone(),
+        );
+        registry.register(
             "tokenscope_records_queued",
-            "Records waiting in the store pipeline",
+            "Records waiting in memory in the store pipeline (queue depth; spooled records excluded)",
             records_queued.clone(),
+        );
+        registry.register(
+            "tokenscope_records_spooled",
+            "Records spilled to the on-disk spool because the store was slow, failing or down",
+            records_spooled.clone(),
+        );
+        registry.register(
+            "tokenscope_records_replayed",
+            "Records written to the store from the spool",
+            records_replayed.clone(),
+        );
+        registry.register(
+            "tokenscope_store_errors",
+            "Failed store calls, by kind (each failed batch is spooled or retried)",
+            store_errors.clone(),
+        );
+        registry.register(
+            "tokenscope_store_retries",
+            "Retries of failed batches (replay attempts of the spool included)",
+            store_retries.clone(),
+        );
+        registry.register_with_unit(
+            "tokenscope_spool",
+            "Unsent bytes in the on-disk spool",
+            Unit::Bytes,
+            spool_bytes.clone(),
+        );
+        registry.register(
+            "tokenscope_spool_batches",
+            "Unsent batches in the on-disk spool",
+            spool_batches.clone(),
+        );
+        registry.register_with_unit(
+            "tokenscope_spool_oldest_unsent_age",
+            "Age of the oldest unsent batch in the spool (0 when empty)",
+            Unit::Seconds,
+            spool_oldest_age.clone(),
+        );
+        registry.register(
+            "tokenscope_store_up",
+            "1 while the store accepts writes, 0 after a failed write until the spool is replayed",
+            store_up.clone(),
         );
         registry.register_with_unit(
             "tokenscope_store_write",
             "Latency of one batch write to the store",
             Unit::Seconds,
             store_write.clone(),
-        );
-        registry.register(
-            "tokenscope_store_write_errors",
-            "Failed batch writes (each is retried before rows count as dropped)",
-            store_write_errors.clone(),
         );
         registry.register_with_unit(
             "tokenscope_gateway_overhead",
@@ -254,8 +328,14 @@ impl Metrics {
             upstream_bytes.clone(),
         );
         // Every drop reason exists from the start, so `rate()` alerts see the first drop.
-        for reason in ["queue_full", "closed", "write_failed"] {
+        for reason in DROP_REASONS {
             let _ = records_dropped.get_or_create(&ReasonLabels { reason });
+        }
+        for reason in LOSS_REASONS {
+            let _ = records_lost.get_or_create(&ReasonLabels { reason });
+        }
+        for kind in STORE_ERROR_KINDS {
+            let _ = store_errors.get_or_create(&KindLabels { kind });
         }
         Self {
             registry,
@@ -273,7 +353,15 @@ impl Metrics {
             records_dropped,
             records_queued,
             store_write,
-            store_write_errors,
+            records_lost,
+            records_spooled,
+            records_replayed,
+            store_errors,
+            store_retries,
+            spool_bytes,
+            spool_batches,
+            spool_oldest_age,
+            store_up,
             gateway_overhead,
             upstream_bytes,
             token_mismatch,
@@ -391,28 +479,70 @@ impl Metrics {
         }
     }
 
-    /// A batch of `rows` was written in `latency`.
-    pub fn records_written(&self, rows: u64, latency: Duration) {
+    /// A batch of `rows` was written in `latency`; `replayed` when it came from the spool (its
+    /// rows had already left the in-memory queue gauge).
+    pub fn records_written(&self, rows: u64, latency: Duration, replayed: bool) {
         self.records_written.inc_by(rows);
-        self.records_queued.dec_by(rows as i64);
+        if replayed {
+            self.records_replayed.inc_by(rows);
+        } else {
+            self.records_queued.dec_by(rows as i64);
+        }
         self.store_write.observe(latency.as_secs_f64());
     }
 
-    /// A batch write failed (it may be retried).
-    pub fn store_write_error(&self) {
-        self.store_write_errors.inc();
+    /// `rows` records left memory for the spool.
+    pub fn records_spooled(&self, rows: u64) {
+        self.records_spooled.inc_by(rows);
+        self.records_queued.dec_by(rows as i64);
     }
 
-    /// Total records dropped so far, all reasons.
+    /// `rows` accepted records were lost for `reason` (one of [`LOSS_REASONS`]);
+    /// `in_memory` when they were still counted in the queue gauge.
+    pub fn records_lost(&self, reason: &'static str, rows: u64, in_memory: bool) {
+        self.records_lost
+            .get_or_create(&ReasonLabels { reason })
+            .inc_by(rows);
+        if in_memory {
+            self.records_queued.dec_by(rows as i64);
+        }
+    }
+
+    /// A store call failed, of `kind` (one of [`STORE_ERROR_KINDS`]).
+    pub fn store_error(&self, kind: &'static str) {
+        self.store_errors.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    /// A failed batch will be tried again.
+    pub fn store_retry(&self) {
+        self.store_retries.inc();
+    }
+
+    /// The spool's state: unsent bytes and batches, age of the oldest, store health.
+    pub fn spool_state(&self, bytes: u64, batches: u64, oldest_age: Duration, store_up: bool) {
+        self.spool_bytes
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        self.spool_batches
+            .set(i64::try_from(batches).unwrap_or(i64::MAX));
+        self.spool_oldest_age.set(oldest_age.as_secs_f64());
+        self.store_up.set(i64::from(store_up));
+    }
+
+    /// Total records dropped before the queue or lost after it, all reasons.
     pub fn dropped_total(&self) -> u64 {
-        ["queue_full", "closed", "write_failed"]
+        let dropped: u64 = DROP_REASONS
             .into_iter()
             .map(|reason| {
                 self.records_dropped
                     .get_or_create(&ReasonLabels { reason })
                     .get()
             })
-            .sum()
+            .sum();
+        let lost: u64 = LOSS_REASONS
+            .into_iter()
+            .map(|reason| self.records_lost.get_or_create(&ReasonLabels { reason }).get())
+            .sum();
+        dropped + lost
     }
 
     /// Encodes the registry in the OpenMetrics text format.

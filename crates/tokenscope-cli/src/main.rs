@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
-use tokenscope_gateway::{Gateway, GatewayConfig};
+use tokenscope_gateway::{redact_url, Gateway, GatewayConfig, StoreTarget};
 use tokenscope_store::{render, run_report, Dimension, Format, ReportQuery, SqliteStore};
 
 #[derive(Parser)]
@@ -48,7 +48,8 @@ struct ServeArgs {
     /// Admin listen address for /metrics and the admin API [default: 127.0.0.1:9464].
     #[arg(long)]
     admin_listen: Option<String>,
-    /// Store: path of the SQLite file [default: ./tokenscope.db].
+    /// Store: path of the SQLite file [default: ./tokenscope.db], or
+    /// `clickhouse://[user:pass@]host:8123/database[?cluster=NAME&shards=h1:8123,h2:8123]`.
     #[arg(long)]
     store: Option<String>,
     /// TOML configuration file.
@@ -58,13 +59,15 @@ struct ServeArgs {
 
 #[derive(Args)]
 struct ReportArgs {
-    /// Store: path of the SQLite file.
-    #[arg(long, default_value = "./tokenscope.db")]
+    /// Store: path of the SQLite file, or `clickhouse://[user:pass@]host:8123/database`
+    /// (same results on both for the same records).
+    #[arg(long, env = "TOKENSCOPE_STORE", default_value = "./tokenscope.db")]
     store: String,
-    /// Window start, relative to now (e.g. 15m, 1h, 7d).
+    /// Window start: a duration before now (e.g. 15m, 1h, 7d) or an absolute Unix time
+    /// `@SECONDS`.
     #[arg(long, default_value = "1h")]
     since: String,
-    /// Window end, relative to now (default: now).
+    /// Window end, like --since (default: now).
     #[arg(long)]
     until: Option<String>,
     /// Group by (comma-separated): model, input_bucket, user, tenant, business_line,
@@ -171,9 +174,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         "tokenscope listening proxy={} admin={} store={}",
         gw.proxy_addr(),
         gw.admin_addr(),
-        cfg.store
+        redact_url(&cfg.store)
     );
-    tracing::info!(proxy = %gw.proxy_addr(), admin = %gw.admin_addr(), store = %cfg.store,
+    tracing::info!(proxy = %gw.proxy_addr(), admin = %gw.admin_addr(), store = %redact_url(&cfg.store),
         upstreams = ?cfg.upstreams.iter().map(|u| &u.url).collect::<Vec<_>>(), "Gateway ready.");
     let summary = gw.run(shutdown_signal()).await?;
     if let Some((tx, task)) = mock_task {
@@ -189,11 +192,26 @@ async fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// A report bound: `@SECONDS` is an absolute Unix time (e.g. `@1764633600`, fractions
+/// allowed), anything else a duration before `now` (`15m`, `7d`).
+fn time_arg(s: &str, now_us: i64) -> Result<i64> {
+    if let Some(abs) = s.strip_prefix('@') {
+        let secs: f64 = abs
+            .parse()
+            .with_context(|| format!("{s:?}: expected @UNIX_SECONDS"))?;
+        if !secs.is_finite() {
+            bail!("{s:?}: expected @UNIX_SECONDS");
+        }
+        return Ok((secs * 1e6).round() as i64);
+    }
+    Ok(now_us - duration::parse(s)?.as_micros() as i64)
+}
+
 fn report(args: ReportArgs) -> Result<()> {
-    let since = duration::parse(&args.since).context("--since")?;
     let now = now_us();
+    let since_us = time_arg(&args.since, now).context("--since")?;
     let until_us = match &args.until {
-        Some(u) => Some(now - duration::parse(u).context("--until")?.as_micros() as i64),
+        Some(u) => Some(time_arg(u, now).context("--until")?),
         None => None,
     };
     let group_by = args
@@ -216,22 +234,31 @@ fn report(args: ReportArgs) -> Result<()> {
         .transpose()
         .context("--interval")?;
     let format: Format = args.format.parse()?;
-    if !std::path::Path::new(&args.store).exists() {
-        bail!(
-            "store {} does not exist (run `tokenscope serve` or `tokenscope demo` first)",
-            args.store
-        );
-    }
-    let store = SqliteStore::open_read_only(&args.store)
-        .with_context(|| format!("opening store {}", args.store))?;
     let q = ReportQuery {
-        since_us: now - since.as_micros() as i64,
+        since_us,
         until_us,
         group_by,
         interval,
         filters,
     };
-    let rows = run_report(&store, &q)?;
+    let rows = match StoreTarget::parse(&args.store) {
+        StoreTarget::ClickHouse(url) => {
+            let store = tokenscope_clickhouse::ClickHouseStore::connect_url(&url)
+                .with_context(|| format!("connecting to {}", redact_url(&url)))?;
+            store.report(&q)?
+        }
+        StoreTarget::Sqlite(path) => {
+            if !path.exists() {
+                bail!(
+                    "store {} does not exist (run `tokenscope serve` or `tokenscope demo` first)",
+                    path.display()
+                );
+            }
+            let store = SqliteStore::open_read_only(&path)
+                .with_context(|| format!("opening store {}", path.display()))?;
+            run_report(&store, &q)?
+        }
+    };
     print!("{}", render(&rows, &q, format));
     Ok(())
 }

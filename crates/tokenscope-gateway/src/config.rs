@@ -85,18 +85,54 @@ impl Default for MetricsSection {
 pub struct PipelineSection {
     /// Queue capacity in records.
     pub capacity: usize,
-    /// Rows per batch write.
+    /// Rows per batch write (a batch is written when full or after `flush_interval_ms`).
     pub batch_size: usize,
     /// Flush at least this often (ms).
     pub flush_interval_ms: u64,
+    /// Batches waiting in memory for the store before new ones spill to the spool.
+    pub handoff_batches: usize,
+    /// Longest pause between two replay attempts while the store fails (ms).
+    pub retry_backoff_max_ms: u64,
 }
 
 impl Default for PipelineSection {
     fn default() -> Self {
         Self {
             capacity: 65_536,
-            batch_size: 1024,
+            batch_size: 4096,
             flush_interval_ms: 200,
+            handoff_batches: 4,
+            retry_backoff_max_ms: 5_000,
+        }
+    }
+}
+
+/// `[spool]`: the on-disk buffer for batches the store cannot take now (slow, failing, down),
+/// replayed oldest-first when it recovers and after a restart.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpoolSection {
+    /// Spill to disk (default). Off: a batch that fails every retry is lost (counted).
+    pub enabled: bool,
+    /// Directory (default: `<store file>.spool` beside an embedded store,
+    /// `./tokenscope-spool` for ClickHouse). One gateway per directory (it is locked).
+    pub dir: Option<String>,
+    /// Cap on unsent bytes; beyond it new batches are lost and counted as `spool_full`.
+    pub max_bytes: u64,
+    /// Segment file size.
+    pub segment_bytes: u64,
+    /// `fsync` every append and acknowledgement (survives power loss, not only a crash).
+    pub fsync: bool,
+}
+
+impl Default for SpoolSection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            dir: None,
+            max_bytes: 1 << 30,
+            segment_bytes: 64 << 20,
+            fsync: true,
         }
     }
 }
@@ -192,7 +228,8 @@ pub struct GatewayConfig {
     pub listen: String,
     /// Admin listener (`/metrics`, admin API). Localhost by default.
     pub admin_listen: String,
-    /// Store location (a SQLite file path).
+    /// Store: a SQLite file path (embedded, default `./tokenscope.db`; `sqlite://PATH` also
+    /// accepted) or `clickhouse://[user:pass@]host:8123/database[?cluster=…]`.
     pub store: String,
     /// Largest accepted request body; larger → 413.
     pub max_body_bytes: usize,
@@ -218,6 +255,8 @@ pub struct GatewayConfig {
     pub metrics: MetricsSection,
     /// Store pipeline options.
     pub pipeline: PipelineSection,
+    /// On-disk spool options.
+    pub spool: SpoolSection,
     /// GPU state (NVML or a DCGM exporter).
     pub gpu: GpuSection,
     /// Upstream engines, routed by model.
@@ -249,6 +288,7 @@ impl Default for GatewayConfig {
             recent_records: 1000,
             metrics: MetricsSection::default(),
             pipeline: PipelineSection::default(),
+            spool: SpoolSection::default(),
             gpu: GpuSection::default(),
             upstreams: Vec::new(),
             tokenizers: Vec::new(),
@@ -426,7 +466,7 @@ const ENV_KEYS: &[&str] = &[
     "token_mismatch_tolerance",
 ];
 /// Tables whose keys are settable as `TOKENSCOPE_<TABLE>__<KEY>`.
-const ENV_TABLES: &[&str] = &["metrics", "pipeline", "gpu"];
+const ENV_TABLES: &[&str] = &["metrics", "pipeline", "spool", "gpu"];
 
 fn parse_scalar(v: &str) -> toml::Value {
     if let Ok(i) = v.parse::<i64>() {

@@ -45,8 +45,9 @@ use tokenscope_engine_state::{
     EngineStateHandle, EngineTarget, GpuConfig, GpuStateHandle, KindHint, ScrapeConfig,
 };
 use tokenscope_store::{
-    spawn_pipeline, DropReason, PipelineConfig, PipelineHandle, PipelineObserver, Recorder,
-    ShutdownReport, SqliteStore, StoreError,
+    spawn_pipeline, spawn_pipeline_with_spool, DropReason, ErrorClass, LossReason,
+    PipelineConfig, PipelineHandle, PipelineObserver, RecordSink, Recorder, ShutdownReport, Spool,
+    SpoolConfig, SpoolState, SqliteStore, StoreError,
 };
 use tokenscope_telemetry::{Metrics, MetricsConfig, UserLabelMode};
 
@@ -63,6 +64,14 @@ pub enum GatewayError {
         addr: String,
         /// Cause.
         source: std::io::Error,
+    },
+    /// The spool directory could not be opened (or another gateway holds it).
+    #[error("cannot open the spool {dir}: {source}")]
+    Spool {
+        /// The directory.
+        dir: String,
+        /// Cause.
+        source: tokenscope_store::SpoolError,
     },
     /// The store could not be opened.
     #[error("cannot open store {path}: {source}")]
@@ -150,12 +159,24 @@ impl PipelineObserver for MetricsObserver {
     fn on_dropped(&self, reason: DropReason) {
         self.0.record_dropped(reason.as_str(), 1, false);
     }
-    fn on_written(&self, rows: usize, latency: Duration) {
-        self.0.records_written(rows as u64, latency);
+    fn on_written(&self, rows: usize, latency: Duration, replayed: bool) {
+        self.0.records_written(rows as u64, latency, replayed);
     }
-    fn on_write_error(&self, rows: usize, _err: &StoreError) {
-        self.0.store_write_error();
-        self.0.record_dropped("write_failed", rows as u64, true);
+    fn on_spooled(&self, rows: usize) {
+        self.0.records_spooled(rows as u64);
+    }
+    fn on_store_error(&self, class: ErrorClass, _err: &StoreError) {
+        self.0.store_error(class.as_str());
+    }
+    fn on_retry(&self) {
+        self.0.store_retry();
+    }
+    fn on_lost(&self, rows: usize, reason: LossReason, in_memory: bool) {
+        self.0.records_lost(reason.as_str(), rows as u64, in_memory);
+    }
+    fn on_spool_state(&self, st: SpoolState) {
+        self.0
+            .spool_state(st.bytes, st.batches, st.oldest_age, st.store_up);
     }
     fn on_update_unmatched(
         &self,
@@ -164,6 +185,82 @@ impl PipelineObserver for MetricsObserver {
     ) {
         self.0
             .engine_update_unmatched(&format!("{reason:?}").to_ascii_lowercase(), updates);
+    }
+}
+
+/// Where records are stored, from the `store` setting.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreTarget {
+    /// The embedded SQLite file.
+    Sqlite(std::path::PathBuf),
+    /// A ClickHouse server or cluster (the `clickhouse://` URL).
+    ClickHouse(String),
+}
+
+impl StoreTarget {
+    /// `clickhouse://…` → ClickHouse; `sqlite://PATH` or a plain path → SQLite.
+    pub fn parse(s: &str) -> Self {
+        if s.starts_with("clickhouse://") {
+            StoreTarget::ClickHouse(s.to_owned())
+        } else {
+            StoreTarget::Sqlite(s.strip_prefix("sqlite://").unwrap_or(s).into())
+        }
+    }
+
+    /// The spool directory used unless `[spool] dir` says otherwise.
+    pub fn default_spool_dir(&self) -> std::path::PathBuf {
+        match self {
+            StoreTarget::Sqlite(p) => {
+                let mut s = p.clone().into_os_string();
+                s.push(".spool");
+                s.into()
+            }
+            StoreTarget::ClickHouse(_) => "./tokenscope-spool".into(),
+        }
+    }
+
+    /// The location without credentials, for logs.
+    pub fn display(&self) -> String {
+        match self {
+            StoreTarget::Sqlite(p) => p.display().to_string(),
+            StoreTarget::ClickHouse(url) => redact_url(url),
+        }
+    }
+}
+
+/// `scheme://user:secret@host…` → `scheme://user:***@host…` (never log a password).
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (auth_end, _) = rest
+        .char_indices()
+        .find(|(_, c)| *c == '/' || *c == '?')
+        .unwrap_or((rest.len(), ' '));
+    match rest[..auth_end].rfind('@') {
+        Some(at) => {
+            let user = rest[..at].split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:***@{}", &rest[at + 1..])
+        }
+        None => url.to_owned(),
+    }
+}
+
+/// Opens the configured store as a record sink (creating / migrating its schema).
+fn open_sink(target: &StoreTarget) -> Result<Box<dyn RecordSink>, StoreError> {
+    match target {
+        StoreTarget::Sqlite(path) => Ok(Box::new(SqliteStore::open(path)?)),
+        StoreTarget::ClickHouse(url) => {
+            let store = tokenscope_clickhouse::ClickHouseStore::connect_url(url)?;
+            let version = store.migrate()?;
+            tracing::info!(
+                store = %redact_url(url),
+                server_version = store.server_version(),
+                schema_version = version,
+                "ClickHouse store ready"
+            );
+            Ok(Box::new(tokenscope_clickhouse::ClickHouseSink::new(store)))
+        }
     }
 }
 
@@ -259,20 +356,54 @@ impl Gateway {
         .map_err(|e| ConfigError::Invalid(format!("gpu: {e}")))?;
         tokenscope_engine_state::register_metrics(metrics.registry_mut(), &states, gpu.as_ref());
         let metrics = Arc::new(metrics);
-        let store = SqliteStore::open(&cfg.store).map_err(|source| GatewayError::Store {
-            path: cfg.store.clone(),
+        let target = StoreTarget::parse(&cfg.store);
+        let store_err = |source: StoreError| GatewayError::Store {
+            path: target.display(),
             source,
-        })?;
-        let (recorder, pipeline) = spawn_pipeline(
-            Box::new(store),
-            PipelineConfig {
-                capacity: cfg.pipeline.capacity,
-                batch_size: cfg.pipeline.batch_size,
-                flush_interval: Duration::from_millis(cfg.pipeline.flush_interval_ms),
-                ..PipelineConfig::default()
-            },
-            Arc::new(MetricsObserver(metrics.clone())),
-        );
+        };
+        let sink = {
+            let t = target.clone();
+            tokio::task::spawn_blocking(move || open_sink(&t))
+                .await
+                .map_err(|e| {
+                    store_err(StoreError::Sink {
+                        sink: "store",
+                        class: ErrorClass::Other,
+                        message: format!("opening the store panicked: {e}"),
+                    })
+                })?
+                .map_err(store_err)?
+        };
+        let pipeline_cfg = PipelineConfig {
+            capacity: cfg.pipeline.capacity,
+            batch_size: cfg.pipeline.batch_size,
+            flush_interval: Duration::from_millis(cfg.pipeline.flush_interval_ms),
+            handoff_batches: cfg.pipeline.handoff_batches,
+            retry_backoff_max: Duration::from_millis(cfg.pipeline.retry_backoff_max_ms.max(100)),
+            ..PipelineConfig::default()
+        };
+        let observer = Arc::new(MetricsObserver(metrics.clone()));
+        let (recorder, pipeline) = if cfg.spool.enabled {
+            let dir = cfg
+                .spool
+                .dir
+                .as_ref()
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|| target.default_spool_dir());
+            let spool = Spool::open(SpoolConfig {
+                dir: dir.clone(),
+                max_bytes: cfg.spool.max_bytes,
+                segment_bytes: cfg.spool.segment_bytes,
+                fsync: cfg.spool.fsync,
+            })
+            .map_err(|e| GatewayError::Spool {
+                dir: dir.display().to_string(),
+                source: e,
+            })?;
+            spawn_pipeline_with_spool(sink, pipeline_cfg, spool, observer)
+        } else {
+            spawn_pipeline(sink, pipeline_cfg, observer)
+        };
         let bind = |addr: String| async move {
             tokio::net::TcpListener::bind(&addr)
                 .await
@@ -396,6 +527,7 @@ impl Gateway {
             written = store.written,
             dropped = store.dropped,
             lost = store.lost,
+            spooled_batches_left = store.spooled_batches,
             "Store drained."
         );
         Ok(ShutdownSummary {

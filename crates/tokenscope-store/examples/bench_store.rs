@@ -5,14 +5,18 @@
 //! cargo run --release -p tokenscope-store --example bench_store -- --rows 1000000
 //! ```
 //!
-//! Options: `--rows N` (default 1 000 000), `--batch N` (insert batch size, default 1024),
+//! Options: `--rows N` (default 1 000 000), `--batch N` (insert batch size, default 16 384:
+//! the size the writer should use under load; `--batch 1024` for the pipeline's old default),
 //! `--days N` (time span of the synthetic data, default 7), `--db PATH` (keep the database
 //! there instead of a temp dir), `--pipeline-rows N` (records pushed through
 //! `spawn_pipeline`, default 200 000, 0 to skip), `--repeat N` (runs per report, default 3),
 //! `--reuse` (with `--db`: keep the existing database and only run the reports; `--rows` must
 //! match how it was filled), `--drop-index NAME` (repeatable: drop that index right after
 //! opening, to measure what it costs on insert), `--update-every N` (after the inserts, one
-//! late engine update per N rows through `apply_updates`, default 10, 0 to skip).
+//! late engine update per N rows through `apply_updates`, default 10, 0 to skip),
+//! `--pragma NAME=VALUE` (repeatable: run `PRAGMA NAME=VALUE` on the writer after opening,
+//! e.g. `cache_size=-262144`). Besides wall time inside `insert_batch`, the insert phase's
+//! process CPU time (user + sys, `/proc/self/stat`) is printed: the load-independent cost.
 //!
 //! The data is deterministic (fixed-seed xorshift): 5 models with skewed popularity, 500
 //! users (skewed), 8 tenants, 5 business lines, 75 % streamed, ~5 % errors, input lengths
@@ -42,19 +46,21 @@ struct Args {
     repeat: usize,
     reuse: bool,
     drop_index: Vec<String>,
+    pragma: Vec<String>,
     update_every: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         rows: 1_000_000,
-        batch: 1024,
+        batch: 16_384,
         days: 7,
         db: None,
         pipeline_rows: 200_000,
         repeat: 3,
         reuse: false,
         drop_index: Vec::new(),
+        pragma: Vec::new(),
         update_every: 10,
     };
     let mut it = std::env::args().skip(1);
@@ -75,11 +81,12 @@ fn parse_args() -> Result<Args, String> {
             "--reuse" => a.reuse = true,
             "--update-every" => a.update_every = num(val()?)?,
             "--drop-index" => a.drop_index.push(val()?),
+            "--pragma" => a.pragma.push(val()?),
             "-h" | "--help" => {
                 return Err(
                     "usage: bench_store [--rows N] [--batch N] [--days N] [--db PATH] \
                             [--pipeline-rows N] [--repeat N] [--reuse] [--drop-index NAME]… \
-                            [--update-every N]"
+                            [--pragma NAME=VALUE]… [--update-every N]"
                         .to_owned(),
                 )
             }
@@ -252,6 +259,18 @@ fn now_us() -> i64 {
         .unwrap_or(0)
 }
 
+/// User + system CPU time of this process so far (Linux `/proc/self/stat`, clock ticks
+/// assumed to be 100 Hz); `None` elsewhere.
+fn process_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    let mut f = rest.split_whitespace().skip(11);
+    let utime: u64 = f.next()?.parse().ok()?;
+    let stime: u64 = f.next()?.parse().ok()?;
+    Some(Duration::from_millis((utime + stime) * 10))
+}
+
 fn fmt_rate(n: u64, d: Duration) -> String {
     format!("{:.0}", n as f64 / d.as_secs_f64().max(1e-9))
 }
@@ -296,6 +315,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             .execute_batch(&format!("DROP INDEX IF EXISTS {ix}"))?;
         println!("dropped index {ix}");
     }
+    for p in &args.pragma {
+        store.conn().execute_batch(&format!("PRAGMA {p}"))?;
+        println!("PRAGMA {p}");
+    }
     if args.reuse {
         // Reports only, over the existing rows: the range must cover them.
         let (lo, hi): (i64, i64) = store.conn().query_row(
@@ -311,6 +334,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let mut insert_time = Duration::ZERO;
     let mut inserted = 0u64;
     let wall = Instant::now();
+    let cpu0 = process_cpu();
     while gen.i < args.rows {
         batch.clear();
         while batch.len() < args.batch && gen.i < args.rows {
@@ -320,6 +344,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         inserted += store.insert_batch(&batch)? as u64;
         insert_time += t.elapsed();
     }
+    let insert_cpu = process_cpu().zip(cpu0).map(|(b, a)| b.saturating_sub(a));
     // ---- late engine updates ----------------------------------------------------------------
     // One update per `--update-every` rows, by trace id, in batches of `--batch`
     // (regenerated: same seed).
@@ -367,6 +392,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         wall.elapsed().as_secs_f64(),
         db_bytes as f64 / (1024.0 * 1024.0)
     );
+    if let Some(cpu) = insert_cpu {
+        // Process CPU (user + sys) over the insert loop, record generation included: the
+        // load-independent cost, and the rate one fully available core would sustain.
+        println!(
+            "insert phase CPU (user+sys, incl. generation): {:.2} s → {} rows per CPU-second",
+            cpu.as_secs_f64(),
+            fmt_rate(inserted, cpu)
+        );
+    }
 
     let since_us = end_us - (args.days as i64 + 1) * 86_400_000_000;
     reports(&args, &path, since_us, end_us + 1)?;

@@ -269,7 +269,7 @@ pub struct Quantiles {
     pub p95: Option<f64>,
     /// Nearest-rank P99.
     pub p99: Option<f64>,
-    /// Arithmetic mean.
+    /// Arithmetic mean (summed in fixed point, so it does not depend on row order).
     pub mean: Option<f64>,
 }
 
@@ -298,15 +298,44 @@ impl Quantiles {
                 *slot = values[k];
             }
         }
-        let sum: f64 = values.iter().sum();
+        let mut sum = ExactSum::default();
+        for v in values.iter() {
+            sum.add(*v);
+        }
         Self {
             n: n as u64,
             p50: Some(out[0]),
             p90: Some(out[1]),
             p95: Some(out[2]),
             p99: Some(out[3]),
-            mean: Some(sum / n as f64),
+            mean: Some(sum.value() / n as f64),
         }
+    }
+}
+
+/// An order-independent sum: values are added in fixed point (2⁻³² units, i.e. ~2·10⁻¹⁰ ms),
+/// so a mean or ratio does not depend on the order rows arrive in — the same records give the
+/// same bits on every store and with any number of scan threads. Exact for |x| < 2⁶³ units
+/// per value and far more sums than a report can hold.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct ExactSum(i128);
+
+impl ExactSum {
+    const SCALE: f64 = 4_294_967_296.0; // 2^32
+
+    #[inline]
+    fn add(&mut self, x: f64) {
+        if x.is_finite() {
+            self.0 = self.0.saturating_add((x * Self::SCALE).round() as i128);
+        }
+    }
+
+    fn merge(&mut self, other: ExactSum) {
+        self.0 = self.0.saturating_add(other.0);
+    }
+
+    fn value(self) -> f64 {
+        self.0 as f64 / Self::SCALE
     }
 }
 
@@ -637,8 +666,8 @@ struct Acc {
     /// to one cache line per row when rows hit many groups in turn.
     values: Vec<[f64; METRICS]>,
     /// Σ queue and Σ TTFT over the `share_n` rows having both.
-    share_queue_ms: f64,
-    share_ttft_ms: f64,
+    share_queue_ms: ExactSum,
+    share_ttft_ms: ExactSum,
     share_n: u64,
     input_tokens: u64,
     output_tokens: u64,
@@ -1029,8 +1058,8 @@ impl Scanner {
         }
         acc.values.push(v);
         if let (Some(q), Some(t)) = (queue, ttft) {
-            acc.share_queue_ms += q;
-            acc.share_ttft_ms += t;
+            acc.share_queue_ms.add(q);
+            acc.share_ttft_ms.add(t);
             acc.share_n += 1;
         }
         acc.input_tokens += tokens(row[4]);
@@ -1059,8 +1088,8 @@ impl Acc {
         self.count += other.count;
         self.ok += other.ok;
         self.values.extend(other.values);
-        self.share_queue_ms += other.share_queue_ms;
-        self.share_ttft_ms += other.share_ttft_ms;
+        self.share_queue_ms.merge(other.share_queue_ms);
+        self.share_ttft_ms.merge(other.share_ttft_ms);
         self.share_n += other.share_n;
         self.input_tokens += other.input_tokens;
         self.output_tokens += other.output_tokens;
@@ -1148,7 +1177,11 @@ fn finish(q: &ReportQuery, parts: Vec<Partial>, now_us: i64) -> Vec<ReportRow> {
                 queue: quantiles_of(&a.values, M_QUEUE, &mut buf),
                 prefill: quantiles_of(&a.values, M_PREFILL, &mut buf),
                 decode: quantiles_of(&a.values, M_DECODE, &mut buf),
-                queue_share_of_ttft: queue_share(a.share_n, a.share_queue_ms, a.share_ttft_ms),
+                queue_share_of_ttft: queue_share(
+                    a.share_n,
+                    a.share_queue_ms.value(),
+                    a.share_ttft_ms.value(),
+                ),
                 input_tokens: a.input_tokens,
                 output_tokens: a.output_tokens,
                 cached_tokens: a.cached_tokens,

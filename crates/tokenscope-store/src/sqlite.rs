@@ -18,8 +18,9 @@
 //!   [`SqliteStore::open_read_only`]) coexist without blocking each other.
 //! * Rows are keyed by `request_id` and inserted with `INSERT OR IGNORE`: re-inserting a
 //!   batch (a retry after an ambiguous failure) never doubles a row.
-//! * [`SqliteStore::insert_batch`] writes a whole batch in one transaction with one cached
-//!   prepared statement: a batch is all-or-nothing.
+//! * [`SqliteStore::insert_batch`] writes a whole batch in one transaction (cached
+//!   multi-row prepared statements, 32 rows each, then the remainder row by row): a batch
+//!   is all-or-nothing.
 //! * Late engine values ([`PhaseUpdate`]) are joined by `trace_id`
 //!   ([`SqliteStore::apply_updates`]): a `Some` phase overwrites the stored one with source
 //!   `engine`; an engine token count replaces a stored one unless that one came from `usage`
@@ -40,16 +41,23 @@
 //!   `engine` / `engine_kv_usage` dimensions the report reads; new `idx_log_trace_id`.
 //!   Migrating an existing file rebuilds that index once (a full scan of the table, inside
 //!   the migration transaction).
+//! * v3 — `idx_log_trace_id` (the full 32-character id) replaced by `idx_log_trace_prefix`,
+//!   an expression index on `substr(trace_id, 1, 8)`; lookups by trace id filter on that
+//!   prefix (index seek) and then on the full id. Migrating builds the smaller index once.
 //!
 //! Indexes: `created_at` (leading column of `idx_log_created_at`, which also carries every
 //! column a [report](crate::report) reads, so a report is one sequential scan of that index
 //! and never touches the wide table rows); `(model, created_at)`; `(user_id, created_at)`;
-//! `(tenant, created_at)`; `(business_line, created_at)`; `prompt_hash`; `trace_id`.
+//! `(tenant, created_at)`; `(business_line, created_at)`; `prompt_hash`;
+//! `substr(trace_id, 1, 8)` (late updates by trace id, any age, across restarts).
 //!
-//! Write cost: the per-dimension, `prompt_hash` and `trace_id` indexes receive scattered
+//! Write cost: the per-dimension, `prompt_hash` and trace id indexes receive scattered
 //! inserts (one insertion point per distinct user / prompt, and per row for the random trace
-//! ids), so a 1024-row batch dirties hundreds of index pages. The writer therefore checkpoints every 32 MiB of WAL instead of SQLite's default
-//! 4 MiB; see `docs/benchmarks.md` for measured throughput.
+//! ids), so a batch dirties hundreds to thousands of index pages, each written to the WAL
+//! once per transaction however many rows it received: larger batches amortise them (the
+//! writer should use batches of 8192–16384 rows under load). The writer checkpoints every
+//! 32 MiB of WAL instead of SQLite's default 4 MiB; see `docs/benchmarks.md` for measured
+//! throughput and its limit (CPU per row: nine B-tree inserts per row).
 //!
 //! ## Two questions, one SQL statement each
 //!
@@ -228,6 +236,12 @@ const MIGRATIONS: &[&str] = &[
         endpoint, upstream, stream, engine, engine_kv_usage
     );
     CREATE INDEX idx_log_trace_id ON llm_inference_log (trace_id);",
+    // v3: the trace id index keeps only the first 8 characters of the id (an expression
+    // index): random keys dirty one index page per row, and 8-character keys need ~2.5×
+    // fewer pages than 32-character ones, so a batch writes fewer pages to the WAL. Lookups
+    // compare the full id on the (rare) rows that share a prefix.
+    "DROP INDEX idx_log_trace_id;
+    CREATE INDEX idx_log_trace_prefix ON llm_inference_log (substr(trace_id, 1, 8));",
 ];
 
 /// The schema version this build writes and understands.
@@ -342,8 +356,8 @@ impl SqliteStore {
         user_version(&self.conn)
     }
 
-    /// Inserts `records` in one transaction with a cached prepared statement
-    /// (`INSERT OR IGNORE`, keyed by `request_id`). Returns how many rows were new; rows whose
+    /// Inserts `records` in one transaction with cached multi-row prepared statements
+    /// (`INSERT OR IGNORE`, keyed by `request_id`; duplicates inside the batch count once). Returns how many rows were new; rows whose
     /// `request_id` already exists are skipped. All-or-nothing.
     pub fn insert_batch(&mut self, records: &[RequestRecord]) -> Result<usize, StoreError> {
         if records.is_empty() {
@@ -611,7 +625,7 @@ const UPDATE_SQL: &str = "UPDATE llm_inference_log SET
                                 THEN 'engine' ELSE output_tokens_source END,
     output_tokens        = CASE WHEN ?7 IS NOT NULL AND (output_tokens IS NULL OR output_tokens_source NOT IN ('usage', 'engine'))
                                 THEN ?7 ELSE output_tokens END
-  WHERE trace_id = ?1";
+  WHERE substr(trace_id, 1, 8) = substr(?1, 1, 8) AND trace_id = ?1";
 
 /// Runs [`UPDATE_SQL`] for one update; returns the number of rows it matched.
 fn apply_one(conn: &Connection, u: &PhaseUpdate) -> Result<usize, StoreError> {
@@ -1034,7 +1048,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn v1_database_migrates_to_v2_on_open() {
+    fn v1_database_migrates_to_v3_on_open() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("v1.db");
         v1_database(&path);
@@ -1044,12 +1058,12 @@ pub(crate) mod tests {
             SqliteStore::open_read_only(&path),
             Err(StoreError::SchemaTooOld {
                 found: 1,
-                expected: 2
+                expected: 3
             })
         ));
-        // …and a writer migrates it.
+        // …and a writer migrates it (v1 → v2 → v3 in one transaction).
         let mut store = SqliteStore::open(&path).expect("migrate");
-        assert_eq!(store.schema_version().expect("v"), 2);
+        assert_eq!(store.schema_version().expect("v"), 3);
         let old = store.get("old").expect("get").expect("row kept");
         assert_eq!(old.ttft_ms, Some(8.0));
         assert_eq!(old.queue_source, PhaseSource::Derived);
@@ -1080,11 +1094,7 @@ pub(crate) mod tests {
             assert!(cols.iter().any(|x| x == c), "{c} missing from {cols:?}");
         }
         assert_eq!(cols.len(), 22);
-        let plan = query_plan(
-            store.conn(),
-            "SELECT request_id FROM llm_inference_log WHERE trace_id = ?1",
-        );
-        assert!(plan.contains("idx_log_trace_id"), "{plan}");
+        assert_trace_lookup_uses_prefix_index(store.conn());
         // A late update reaches the migrated row.
         store
             .apply_updates(&[PhaseUpdate {
@@ -1101,10 +1111,143 @@ pub(crate) mod tests {
         drop(store);
         // Reopening is a no-op; readers are accepted now.
         let store = SqliteStore::open(&path).expect("reopen");
-        assert_eq!(store.schema_version().expect("v"), 2);
+        assert_eq!(store.schema_version().expect("v"), 3);
         assert_eq!(store.count().expect("count"), 2);
         let reader = SqliteStore::open_read_only(&path).expect("ro after migration");
         assert_eq!(reader.count().expect("count"), 2);
+    }
+
+    /// The late-update statement seeks `idx_log_trace_prefix`; the v2 full-id index is gone.
+    fn assert_trace_lookup_uses_prefix_index(conn: &Connection) {
+        let plan = query_plan(conn, UPDATE_SQL);
+        assert!(plan.contains("idx_log_trace_prefix"), "{plan}");
+        let v2_index: i64 = conn
+            .query_row(
+                "SELECT COUNT(*) FROM sqlite_master WHERE name = 'idx_log_trace_id'",
+                [],
+                |r| r.get(0),
+            )
+            .expect("master");
+        assert_eq!(v2_index, 0);
+    }
+
+    #[test]
+    fn v2_database_migrates_to_v3_and_keeps_late_updates() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v2.db");
+        {
+            // A file exactly as schema v2 left it, with a row written by v2.
+            let conn = Connection::open(&path).expect("raw");
+            conn.execute_batch(MIGRATIONS[0]).expect("v1 schema");
+            conn.execute_batch(MIGRATIONS[1]).expect("v2 schema");
+            conn.pragma_update(None, "user_version", 2).expect("v2");
+            conn.execute(
+                "INSERT INTO llm_inference_log (request_id, trace_id, created_at, model,
+                    upstream, request_type, endpoint, stream, http_status, outcome,
+                    input_tokens_source, output_tokens_source, queue_source, prefill_source,
+                    decode_source, total_duration_ms, engine)
+                 VALUES ('v2row', '4bf92f3577b34da6a3ce929d0e0e4736', 5, 'm', 'u', 'chat',
+                    'chat_completions', 1, 200, 'ok', 'usage', 'usage', 'derived', 'none',
+                    'none', 10.0, 'vllm')",
+                [],
+            )
+            .expect("v2 row");
+        }
+        assert!(matches!(
+            SqliteStore::open_read_only(&path),
+            Err(StoreError::SchemaTooOld {
+                found: 2,
+                expected: 3
+            })
+        ));
+        let mut store = SqliteStore::open(&path).expect("migrate");
+        assert_eq!(store.schema_version().expect("v"), 3);
+        assert_trace_lookup_uses_prefix_index(store.conn());
+        // A row written before the migration is found by its trace id…
+        let n = store
+            .apply_updates(&[PhaseUpdate {
+                trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".to_owned(),
+                prefill_duration_ms: Some(7.0),
+                ..PhaseUpdate::default()
+            }])
+            .expect("update");
+        assert_eq!(n, 1);
+        drop(store);
+        // …and so is it after a restart (read back through a fresh writer and a reader).
+        let store = SqliteStore::open(&path).expect("reopen");
+        let row = store.get("v2row").expect("get").expect("row");
+        assert_eq!(
+            (row.prefill_duration_ms, row.prefill_source),
+            (Some(7.0), PhaseSource::Engine)
+        );
+        let reader = SqliteStore::open_read_only(&path).expect("ro");
+        assert_eq!(reader.count().expect("count"), 1);
+    }
+
+    #[test]
+    fn update_matches_the_full_trace_id_not_its_indexed_prefix() {
+        // Two trace ids sharing the 8-character indexed prefix, plus ids shorter than it.
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        let a = "4bf92f35aaaaaaaaaaaaaaaaaaaaaaaa";
+        let b = "4bf92f35bbbbbbbbbbbbbbbbbbbbbbbb";
+        store
+            .insert_batch(&[
+                gateway_record("a", a),
+                gateway_record("b", b),
+                gateway_record("c", "4bf9"),
+            ])
+            .expect("insert");
+        assert_eq!(store.apply_updates(&[engine_update(b)]).expect("up"), 1);
+        assert_eq!(store.get("a").expect("get"), Some(gateway_record("a", a)));
+        assert_eq!(store.get("b").expect("get"), Some(joined_record("b", b)));
+        assert_eq!(
+            store.get("c").expect("get"),
+            Some(gateway_record("c", "4bf9"))
+        );
+        assert_eq!(
+            store.apply_updates(&[engine_update("4bf9")]).expect("up"),
+            1
+        );
+        assert_eq!(
+            store.get("c").expect("get"),
+            Some(joined_record("c", "4bf9"))
+        );
+        // A prefix alone matches nothing (it waits in the pending map).
+        assert_eq!(
+            store
+                .apply_updates(&[engine_update("4bf92f35")])
+                .expect("up"),
+            0
+        );
+        assert_eq!(store.pending_updates(), 1);
+    }
+
+    #[test]
+    fn multi_row_insert_chunks_and_remainder() {
+        // More than one full multi-row statement plus a remainder, with duplicates inside
+        // and across chunks: counts and contents are exactly those of row-by-row inserts.
+        let mut store = SqliteStore::open_in_memory().expect("open");
+        let n = ROWS_PER_INSERT * 2 + 5;
+        let mut recs: Vec<RequestRecord> = (0..n)
+            .map(|i| {
+                let mut r = if i % 2 == 0 {
+                    full_record(&format!("r{i}"))
+                } else {
+                    sparse_record(&format!("r{i}"))
+                };
+                r.trace_id = format!("{i:032x}");
+                r
+            })
+            .collect();
+        recs.push(full_record("r3")); // duplicate of a row in the first chunk
+        assert_eq!(store.insert_batch(&recs).expect("insert"), n);
+        assert_eq!(store.count().expect("count"), n as u64);
+        for r in &recs[..n] {
+            assert_eq!(store.get(&r.request_id).expect("get").as_ref(), Some(r));
+        }
+        // The whole batch again (a retry): nothing new.
+        assert_eq!(store.insert_batch(&recs).expect("retry"), 0);
+        assert_eq!(store.count().expect("count"), n as u64);
     }
 
     fn engine_update(trace: &str) -> PhaseUpdate {

@@ -51,15 +51,13 @@ impl GatewayProc {
         if let Some(u) = upstream {
             cmd.args(["--upstream", u]);
         }
-        cmd.args([
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--store",
-        ])
-        .arg(&store)
-        .args(args)
+        cmd.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]);
+        // A `--store` among `args` (e.g. a ClickHouse URL) replaces the fresh SQLite file.
+        if !args.contains(&"--store") {
+            cmd.arg("--store").arg(&store);
+        }
+        cmd.args(args)
+        .env("TOKENSCOPE_SPOOL__DIR", dir.path().join("spool"))
         .env("TOKENSCOPE_PIPELINE__FLUSH_INTERVAL_MS", "20")
         .env("TOKENSCOPE_LOG", "warn")
         .stdout(Stdio::piped())
@@ -94,6 +92,12 @@ impl GatewayProc {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.proxy, path)
+    }
+
+    /// SIGKILL (no drain, no shutdown) and reap the process.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// SIGTERM and wait for a clean exit (the store is drained by then).

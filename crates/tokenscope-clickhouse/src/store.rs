@@ -1,0 +1,771 @@
+//! [`ClickHouseStore`]: a synchronous handle on one ClickHouse server (or cluster entry node).
+//!
+//! Invariants:
+//! * **Sync API, own runtime.** The `clickhouse` client is async (hyper); the store owns a
+//!   one-worker tokio runtime and every call *spawns* its future there and waits on a std
+//!   channel. It never calls `Runtime::block_on`, so it may be called from a plain thread (the
+//!   pipeline's writer) or from inside another tokio runtime (the CLI's `main`) without the
+//!   "cannot start a runtime from within a runtime" panic. (Called from an async task it blocks
+//!   that worker thread for the duration of the request, like any blocking I/O.) The runtime is
+//!   shut down in the background when the last clone of the store is dropped, which is also
+//!   allowed inside an async context.
+//! * **Bounded waits.** Every request is bounded by `request_timeout` (a streamed read: each
+//!   chunk), `connect` by `connect_timeout`; a timeout is an
+//!   [`Unavailable`](tokenscope_store::ErrorClass::Unavailable)-class error.
+//! * **Idempotent writes.** Rows are keyed by `request_id` in a `ReplacingMergeTree(row_version)`
+//!   (see [`crate::schema`]): re-sending a batch never doubles a row *as read by tokenscope*,
+//!   because every read here uses `FINAL`.
+//! * **Streaming reads.** [`ClickHouseStore::for_each_tsv_line`] hands the caller one line at a
+//!   time from a bounded channel (at most a few HTTP chunks in memory), never the whole result.
+//! * **No password in logs or errors** (see [`crate::config`]).
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use clickhouse::{Client, Compression};
+use tokenscope_core::RequestRecord;
+use tokenscope_store::report::{clickhouse_select, ColKind, ReportQuery, ReportRow, ScanValue, Scanner};
+use tokenscope_store::StoreError;
+
+use crate::error::{error_code, ErrCtx};
+use crate::row::{encode_row, LogRow};
+use crate::schema::{
+    create_database, create_migrations_table, Dialect, MigrationContext, Target, INSERT_COLUMNS,
+    MIGRATIONS, MIGRATIONS_TABLE, SCHEMA_VERSION,
+};
+use crate::{ClickHouseConfig, ClickHouseError};
+
+/// How many trace ids one lookup query carries.
+const TRACE_LOOKUP_CHUNK: usize = 500;
+
+struct Inner {
+    cfg: ClickHouseConfig,
+    client: Client,
+    rt: Option<tokio::runtime::Runtime>,
+    handle: tokio::runtime::Handle,
+    ctx: ErrCtx,
+    version: String,
+    dialect: Dialect,
+    insert_sql: String,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            // Never blocks, allowed inside an async context.
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// A connection to the ClickHouse store (cheap to clone: clones share one runtime and
+/// connection pool). See the module docs.
+#[derive(Clone)]
+pub struct ClickHouseStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ClickHouseStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClickHouseStore")
+            .field("config", &self.inner.cfg)
+            .field("server_version", &self.inner.version)
+            .finish()
+    }
+}
+
+fn make_client(cfg: &ClickHouseConfig, addr: &str) -> Client {
+    let mut c = Client::default()
+        .with_url(format!("http://{addr}"))
+        .with_user(cfg.user.clone())
+        .with_validation(false)
+        .with_compression(if cfg.compression {
+            Compression::Lz4
+        } else {
+            Compression::None
+        });
+    if !cfg.password.is_empty() {
+        c = c.with_password(cfg.password.clone());
+    }
+    c
+}
+
+/// A SQL string literal: `'…'` with `\` and `'` escaped.
+pub(crate) fn quote(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('\'');
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\'' => out.push_str("\\'"),
+            c => out.push(c),
+        }
+    }
+    out.push('\'');
+    out
+}
+
+/// `YYYYMMDD` (UTC) of a Unix time in µs — the partition id of a row created then.
+pub fn utc_day(epoch_us: i64) -> u32 {
+    // Howard Hinnant's civil_from_days.
+    let z = epoch_us.div_euclid(86_400_000_000) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = if m <= 2 { y + 1 } else { y };
+    u32::try_from(y * 10_000 + m * 100 + d).unwrap_or(0)
+}
+
+pub(crate) fn now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+struct ThreadWaker(std::thread::Thread);
+
+impl Wake for ThreadWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Polls `f` on the current thread, parking between polls. Only for futures that need no
+/// runtime of their own (channel receives): the I/O runs on the store's runtime.
+fn park_on<F: Future>(f: F) -> F::Output {
+    let waker = Arc::new(ThreadWaker(std::thread::current())).into();
+    let mut cx = Context::from_waker(&waker);
+    let mut f = pin!(f);
+    loop {
+        if let Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::thread::park();
+    }
+}
+
+impl ClickHouseStore {
+    /// Connects: checks that the server answers (`SELECT version()`, within
+    /// `connect_timeout`) and picks the SQL dialect from its version. Creates nothing; call
+    /// [`migrate`](Self::migrate) to create or update the schema.
+    pub fn connect(cfg: ClickHouseConfig) -> Result<Self, ClickHouseError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("tokenscope-clickhouse")
+            .enable_all()
+            .build()
+            .map_err(|e| ClickHouseError::Unavailable {
+                addr: cfg.http_addr(),
+                message: format!("cannot start the client runtime: {e}"),
+            })?;
+        let handle = rt.handle().clone();
+        let ctx = ErrCtx {
+            addr: cfg.http_addr(),
+            user: cfg.user.clone(),
+            password: cfg.password.clone(),
+        };
+        let client = make_client(&cfg, &cfg.http_addr());
+        let insert_sql = format!(
+            "INSERT INTO {} ({}) FORMAT RowBinary",
+            cfg.table(),
+            INSERT_COLUMNS.join(", ")
+        );
+        let mut inner = Inner {
+            cfg,
+            client,
+            rt: Some(rt),
+            handle,
+            ctx,
+            version: String::new(),
+            dialect: Dialect::from_version("0.0")?,
+            insert_sql,
+        };
+        let version = run_on(
+            &inner.handle,
+            &inner.ctx,
+            inner.cfg.connect_timeout,
+            server_version(inner.client.clone(), inner.ctx.clone()),
+        )?;
+        inner.dialect = Dialect::from_version(&version)?;
+        inner.version = version;
+        tracing::info!(
+            store = %inner.cfg,
+            server_version = %inner.version,
+            modern = inner.dialect.is_modern(),
+            "connected to ClickHouse"
+        );
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// Shorthand for `connect(ClickHouseConfig::from_url(url)?)`.
+    pub fn connect_url(url: &str) -> Result<Self, ClickHouseError> {
+        Self::connect(ClickHouseConfig::from_url(url)?)
+    }
+
+    /// The configuration this store was connected with.
+    pub fn config(&self) -> &ClickHouseConfig {
+        &self.inner.cfg
+    }
+
+    /// The server's `version()` (e.g. `18.16.1`, `23.8.1.94`).
+    pub fn server_version(&self) -> &str {
+        &self.inner.version
+    }
+
+    /// The SQL dialect chosen for the server.
+    pub fn dialect(&self) -> Dialect {
+        self.inner.dialect
+    }
+
+    fn run<T, F>(&self, timeout: Duration, f: F) -> Result<T, ClickHouseError>
+    where
+        T: Send + 'static,
+        F: Future<Output = Result<T, ClickHouseError>> + Send + 'static,
+    {
+        run_on(&self.inner.handle, &self.inner.ctx, timeout, f)
+    }
+
+    fn timeout(&self) -> Duration {
+        self.inner.cfg.request_timeout
+    }
+
+    /// Runs one statement that returns nothing (DDL, `ALTER`, `INSERT … VALUES`).
+    pub fn execute(&self, sql: &str) -> Result<(), ClickHouseError> {
+        execute_on(self, &self.inner.client, sql)
+    }
+
+    /// Creates or updates the schema (see [`crate::schema`]): the database, the migrations
+    /// table, then every migration statement (all idempotent; a concurrent gateway's "already
+    /// exists" counts as success), then records the versions not yet recorded. In a cluster with
+    /// `shards=` this runs on every shard; with only `cluster=`, with `ON CLUSTER`. Returns the
+    /// schema version. Refuses a database migrated by a newer build
+    /// ([`ClickHouseError::SchemaTooNew`]).
+    pub fn migrate(&self) -> Result<u32, ClickHouseError> {
+        let cfg = &self.inner.cfg;
+        let nodes: Vec<(Client, Target, String)> = match (&cfg.cluster, cfg.shards.is_empty()) {
+            (None, _) => vec![(self.inner.client.clone(), Target::Single, cfg.http_addr())],
+            (Some(_), true) => vec![(self.inner.client.clone(), Target::OnCluster, cfg.http_addr())],
+            (Some(_), false) => cfg
+                .shards
+                .iter()
+                .map(|a| (make_client(cfg, a), Target::ClusterNode, a.clone()))
+                .collect(),
+        };
+        for (client, target, addr) in nodes {
+            self.migrate_node(&client, target, &addr)?;
+        }
+        Ok(SCHEMA_VERSION)
+    }
+
+    fn migrate_node(&self, client: &Client, target: Target, addr: &str) -> Result<(), ClickHouseError> {
+        let cfg = &self.inner.cfg;
+        let db = cfg.database.as_str();
+        let (dialect, version) = if addr == cfg.http_addr() {
+            (self.inner.dialect, self.inner.version.clone())
+        } else {
+            let ctx = ErrCtx {
+                addr: addr.to_owned(),
+                ..self.inner.ctx.clone()
+            };
+            let v = run_on(
+                &self.inner.handle,
+                &ctx,
+                self.timeout(),
+                server_version(client.clone(), ctx.clone()),
+            )?;
+            (Dialect::from_version(&v)?, v)
+        };
+        let on_cluster = match target {
+            Target::OnCluster => cfg.cluster.as_deref(),
+            _ => None,
+        };
+        execute_on(self, client, &create_database(db, on_cluster))?;
+        execute_on(self, client, &create_migrations_table(db))?;
+        let found: u32 = {
+            let c = client.clone();
+            let ctx = self.inner.ctx.clone();
+            let sql = format!("SELECT toUInt32(max(version)) FROM {db}.{MIGRATIONS_TABLE}");
+            self.run(self.timeout(), async move {
+                c.query_raw(&sql)
+                    .fetch_one::<u32>()
+                    .await
+                    .map_err(|e| ctx.map(e))
+            })?
+        };
+        if found > SCHEMA_VERSION {
+            return Err(ClickHouseError::SchemaTooNew {
+                database: db.to_owned(),
+                found,
+                supported: SCHEMA_VERSION,
+            });
+        }
+        let mcx = MigrationContext {
+            database: db,
+            cluster: cfg.cluster.as_deref(),
+            target,
+            ttl_days: cfg.ttl_days,
+        };
+        for m in MIGRATIONS {
+            for stmt in (m.statements)(&dialect, &mcx) {
+                execute_on(self, client, &stmt)?;
+            }
+            if m.version > found {
+                execute_on(
+                    self,
+                    client,
+                    &format!(
+                        "INSERT INTO {db}.{MIGRATIONS_TABLE} (version, applied_at, server_version) SELECT {}, now(), {}",
+                        m.version,
+                        quote(&version)
+                    ),
+                )?;
+                tracing::info!(
+                    node = addr,
+                    version = m.version,
+                    description = m.description,
+                    "ClickHouse: applied schema migration"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The highest schema version recorded on the entry node (0 when none).
+    pub fn schema_version(&self) -> Result<u32, ClickHouseError> {
+        let sql = format!(
+            "SELECT toUInt32(max(version)) FROM {}.{MIGRATIONS_TABLE}",
+            self.inner.cfg.database
+        );
+        let c = self.inner.client.clone();
+        let ctx = self.inner.ctx.clone();
+        self.run(self.timeout(), async move {
+            c.query_raw(&sql).fetch_one::<u32>().await.map_err(|e| ctx.map(e))
+        })
+    }
+
+    /// Inserts `rows` (row version 1) in one RowBinary `INSERT`. Idempotent per
+    /// `request_id` as read with `FINAL`.
+    pub fn insert(&self, rows: &[RequestRecord]) -> Result<(), ClickHouseError> {
+        self.insert_versioned(rows.iter().map(|r| (r, 1)))
+    }
+
+    /// Inserts rows with explicit row versions (a higher version replaces a lower one).
+    pub fn insert_versioned<'a>(
+        &self,
+        rows: impl IntoIterator<Item = (&'a RequestRecord, u64)>,
+    ) -> Result<(), ClickHouseError> {
+        let mut buf = Vec::new();
+        let mut n = 0usize;
+        for (r, v) in rows {
+            if n == 0 {
+                buf.reserve(512);
+            }
+            encode_row(&mut buf, r, v);
+            n += 1;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let data = Bytes::from(buf);
+        let client = self.inner.client.clone();
+        let ctx = self.inner.ctx.clone();
+        let sql = self.inner.insert_sql.clone();
+        let clustered = self.inner.cfg.cluster.is_some();
+        self.run(self.timeout(), async move {
+            let mut ins = client.insert_formatted_with(sql);
+            if clustered {
+                // Wait until every shard has its rows (no local queue on the entry node).
+                ins = ins.with_setting("insert_distributed_sync", "1");
+            }
+            ins.send(data).await.map_err(|e| ctx.map(e))?;
+            ins.end().await.map_err(|e| ctx.map(e))
+        })
+    }
+
+    /// Runs `sql` and returns its whole result as `TabSeparated` text (tests, tools; use
+    /// [`for_each_tsv_line`](Self::for_each_tsv_line) for big results). The statement is sent
+    /// verbatim.
+    pub fn query_text(&self, sql: &str) -> Result<String, ClickHouseError> {
+        let mut out = String::new();
+        self.for_each_tsv_line(sql, |line| {
+            out.push_str(&String::from_utf8_lossy(line));
+            out.push('\n');
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Runs `sql` (sent verbatim; `TabSeparated` unless it names another `FORMAT`) and calls `f`
+    /// with each line of the result, without its `\n`, as the response streams in — the
+    /// result is never held in memory as a whole. An error from `f` stops the query and is
+    /// returned.
+    pub fn for_each_tsv_line(
+        &self,
+        sql: &str,
+        mut f: impl FnMut(&[u8]) -> Result<(), ClickHouseError>,
+    ) -> Result<(), ClickHouseError> {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Bytes, ClickHouseError>>(4);
+        let client = self.inner.client.clone();
+        let ctx = self.inner.ctx.clone();
+        let sql = sql.to_owned();
+        let timeout = self.timeout();
+        self.inner.handle.spawn(async move {
+            let mut cursor = match client.query_raw(&sql).fetch_bytes("TabSeparated") {
+                Ok(c) => c,
+                Err(e) => {
+                    let _ = tx.send(Err(ctx.map(e))).await;
+                    return;
+                }
+            };
+            loop {
+                let item = match tokio::time::timeout(timeout, cursor.next()).await {
+                    Err(_) => Err(ClickHouseError::Timeout {
+                        addr: ctx.addr.clone(),
+                        timeout,
+                    }),
+                    Ok(Err(e)) => Err(ctx.map(e)),
+                    Ok(Ok(None)) => return,
+                    Ok(Ok(Some(chunk))) => Ok(chunk),
+                };
+                let stop = item.is_err();
+                if tx.send(item).await.is_err() || stop {
+                    return;
+                }
+            }
+        });
+        let mut carry: Vec<u8> = Vec::new();
+        while let Some(item) = park_on(rx.recv()) {
+            let chunk = item?;
+            let mut rest: &[u8] = &chunk;
+            while let Some(nl) = rest.iter().position(|b| *b == b'\n') {
+                if carry.is_empty() {
+                    f(&rest[..nl])?;
+                } else {
+                    carry.extend_from_slice(&rest[..nl]);
+                    let line = std::mem::take(&mut carry);
+                    f(&line)?;
+                }
+                rest = &rest[nl + 1..];
+            }
+            carry.extend_from_slice(rest);
+        }
+        if !carry.is_empty() {
+            f(&carry)?;
+        }
+        Ok(())
+    }
+
+    /// Rows in `llm_inference_log` after deduplication (`FINAL`).
+    pub fn count(&self) -> Result<u64, ClickHouseError> {
+        let sql = format!("SELECT count() FROM {} FINAL", self.inner.cfg.table());
+        let c = self.inner.client.clone();
+        let ctx = self.inner.ctx.clone();
+        self.run(self.timeout(), async move {
+            c.query_raw(&sql).fetch_one::<u64>().await.map_err(|e| ctx.map(e))
+        })
+    }
+
+    /// The newest version of the record stored under `request_id`, if any.
+    pub fn get(&self, request_id: &str) -> Result<Option<RequestRecord>, ClickHouseError> {
+        Ok(self.get_versioned(request_id)?.map(|(r, _)| r))
+    }
+
+    /// Like [`get`](Self::get), with the row's `row_version`.
+    pub fn get_versioned(
+        &self,
+        request_id: &str,
+    ) -> Result<Option<(RequestRecord, u64)>, ClickHouseError> {
+        let sql = format!(
+            "SELECT {} FROM {} FINAL WHERE request_id = {} ORDER BY row_version DESC LIMIT 1",
+            INSERT_COLUMNS.join(", "),
+            self.inner.cfg.table(),
+            quote(request_id)
+        );
+        let rows = self.fetch_rows(sql)?;
+        rows.into_iter().next().map(LogRow::into_record).transpose()
+    }
+
+    /// Every row (newest version, `FINAL`) whose `trace_id` is one of `trace_ids` and which was
+    /// created at or after `since_us` (epoch µs; bounds the scan to recent daily partitions).
+    pub fn rows_by_trace(
+        &self,
+        trace_ids: &[&str],
+        since_us: i64,
+    ) -> Result<Vec<(RequestRecord, u64)>, ClickHouseError> {
+        let mut out = Vec::new();
+        for chunk in trace_ids.chunks(TRACE_LOOKUP_CHUNK) {
+            let list: Vec<String> = chunk.iter().map(|t| quote(t)).collect();
+            let sql = format!(
+                "SELECT {} FROM {} FINAL WHERE toYYYYMMDD(created_at) >= {} AND created_at_us >= {since_us} AND trace_id IN ({})",
+                INSERT_COLUMNS.join(", "),
+                self.inner.cfg.table(),
+                utc_day(since_us),
+                list.join(", ")
+            );
+            for row in self.fetch_rows(sql)? {
+                out.push(row.into_record()?);
+            }
+        }
+        Ok(out)
+    }
+
+    fn fetch_rows(&self, sql: String) -> Result<Vec<LogRow>, ClickHouseError> {
+        let c = self.inner.client.clone();
+        let ctx = self.inner.ctx.clone();
+        self.run(self.timeout(), async move {
+            c.query_raw(&sql)
+                .fetch_all::<LogRow>()
+                .await
+                .map_err(|e| ctx.map(e))
+        })
+    }
+
+    /// Retention for servers without `TTL` (and a no-op safety net on those with it): drops
+    /// the daily partitions (`toYYYYMMDD(created_at)`) of the data table that lie entirely
+    /// before `today (UTC) − ttl_days`, on every node. Returns how many partitions were dropped
+    /// (0 without `ttl_days`). Whole days only: a partition is dropped the day after its last
+    /// row became older than the limit.
+    pub fn retention_sweep(&self) -> Result<usize, ClickHouseError> {
+        self.retention_sweep_at(now_us())
+    }
+
+    /// [`retention_sweep`](Self::retention_sweep) as if the time were `now_us`.
+    pub fn retention_sweep_at(&self, now_us: i64) -> Result<usize, ClickHouseError> {
+        let cfg = &self.inner.cfg;
+        let Some(days) = cfg.ttl_days else {
+            return Ok(0);
+        };
+        let cutoff = utc_day(now_us - i64::from(days) * 86_400_000_000);
+        let table = cfg.data_table_name();
+        let db = &cfg.database;
+        let nodes: Vec<Client> = if cfg.shards.is_empty() {
+            vec![self.inner.client.clone()]
+        } else {
+            cfg.shards.iter().map(|a| make_client(cfg, a)).collect()
+        };
+        let on_cluster = match (&cfg.cluster, cfg.shards.is_empty()) {
+            (Some(c), true) => format!(" ON CLUSTER {c}"),
+            _ => String::new(),
+        };
+        let mut dropped = 0;
+        for client in nodes {
+            let sql = format!(
+                "SELECT DISTINCT partition FROM system.parts WHERE database = {} AND table = {} AND active",
+                quote(db),
+                quote(table)
+            );
+            let c = client.clone();
+            let ctx = self.inner.ctx.clone();
+            let parts: Vec<String> = self.run(self.timeout(), async move {
+                c.query_raw(&sql)
+                    .fetch_all::<String>()
+                    .await
+                    .map_err(|e| ctx.map(e))
+            })?;
+            for p in parts {
+                let Ok(day) = p.trim_matches('\'').parse::<u32>() else {
+                    continue;
+                };
+                if day < cutoff {
+                    execute_on(
+                        self,
+                        &client,
+                        &format!("ALTER TABLE {db}.{table}{on_cluster} DROP PARTITION {day}"),
+                    )?;
+                    tracing::info!(partition = day, "ClickHouse retention: dropped partition");
+                    dropped += 1;
+                }
+            }
+        }
+        Ok(dropped)
+    }
+}
+
+impl ClickHouseStore {
+    /// The grouped report of [`tokenscope_store::report`] over this store: runs the report's
+    /// ClickHouse SELECT ([`clickhouse_select`], `FINAL`), streams the `TabSeparated` result and
+    /// feeds every row to the same [`Scanner`] as the embedded store, so both give identical
+    /// rows for the same records (percentiles are exact over every value, never computed by
+    /// ClickHouse).
+    pub fn report(&self, q: &ReportQuery) -> Result<Vec<ReportRow>, StoreError> {
+        let sel = clickhouse_select(q, &self.inner.cfg.table())?;
+        let mut scanner = Scanner::new(q)?;
+        let kinds = sel.kinds;
+        let mut texts: Vec<Vec<u8>> = vec![Vec::new(); kinds.len()];
+        let mut bad: Option<String> = None;
+        self.for_each_tsv_line(&sel.sql, |line| {
+            let mut fields = line.split(|b| *b == b'\t');
+            let mut parsed: Vec<Option<Parsed>> = Vec::with_capacity(kinds.len());
+            for (i, kind) in kinds.iter().enumerate() {
+                let Some(f) = fields.next() else {
+                    bad = Some(format!("report row with {i} of {} columns", kinds.len()));
+                    return Err(ClickHouseError::Callback("malformed report row".to_owned()));
+                };
+                parsed.push(match parse_field(f, *kind, &mut texts[i]) {
+                    Ok(p) => p,
+                    Err(msg) => {
+                        bad = Some(msg);
+                        return Err(ClickHouseError::Callback("malformed report row".to_owned()));
+                    }
+                });
+            }
+            let row: Vec<ScanValue<'_>> = parsed
+                .iter()
+                .zip(&texts)
+                .map(|(p, t)| match p {
+                    None => ScanValue::Null,
+                    Some(Parsed::Int(i)) => ScanValue::Int(*i),
+                    Some(Parsed::Real(f)) => ScanValue::Real(*f),
+                    Some(Parsed::Text) => ScanValue::Text(t),
+                })
+                .collect();
+            scanner.push(&row);
+            Ok(())
+        })
+        .map_err(|e| match bad.take() {
+            Some(msg) => StoreError::Decode {
+                column: "report",
+                value: msg,
+            },
+            None => e.into(),
+        })?;
+        Ok(scanner.finish_now())
+    }
+}
+
+enum Parsed {
+    Int(i64),
+    Real(f64),
+    /// The unescaped text is in the column's buffer.
+    Text,
+}
+
+/// Decodes one `TabSeparated` field (`\N` is NULL) per its report column kind; text is
+/// unescaped into `buf`.
+fn parse_field(f: &[u8], kind: ColKind, buf: &mut Vec<u8>) -> Result<Option<Parsed>, String> {
+    if f == b"\\N" {
+        return Ok(None);
+    }
+    let text = || String::from_utf8_lossy(f).into_owned();
+    match kind {
+        ColKind::Int => {
+            let s = std::str::from_utf8(f).map_err(|_| text())?;
+            let v = match s.parse::<i64>() {
+                Ok(v) => v,
+                // UInt64 above i64::MAX (token counts never get there): saturate.
+                Err(_) => s.parse::<u64>().map(|_| i64::MAX).map_err(|_| text())?,
+            };
+            Ok(Some(Parsed::Int(v)))
+        }
+        ColKind::Real => {
+            let s = std::str::from_utf8(f).map_err(|_| text())?;
+            s.parse::<f64>().map(|v| Some(Parsed::Real(v))).map_err(|_| text())
+        }
+        ColKind::Text => {
+            buf.clear();
+            let mut it = f.iter();
+            while let Some(&b) = it.next() {
+                if b != b'\\' {
+                    buf.push(b);
+                    continue;
+                }
+                match it.next() {
+                    Some(b'n') => buf.push(b'\n'),
+                    Some(b't') => buf.push(b'\t'),
+                    Some(b'r') => buf.push(b'\r'),
+                    Some(b'0') => buf.push(0),
+                    Some(b'b') => buf.push(8),
+                    Some(b'f') => buf.push(12),
+                    Some(&other) => buf.push(other),
+                    None => buf.push(b'\\'),
+                }
+            }
+            Ok(Some(Parsed::Text))
+        }
+    }
+}
+
+async fn server_version(client: Client, ctx: ErrCtx) -> Result<String, ClickHouseError> {
+    client
+        .query_raw("SELECT version()")
+        .fetch_one::<String>()
+        .await
+        .map_err(|e| ctx.map(e))
+}
+
+fn run_on<T, F>(
+    handle: &tokio::runtime::Handle,
+    ctx: &ErrCtx,
+    timeout: Duration,
+    f: F,
+) -> Result<T, ClickHouseError>
+where
+    T: Send + 'static,
+    F: Future<Output = Result<T, ClickHouseError>> + Send + 'static,
+{
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let addr = ctx.addr.clone();
+    handle.spawn(async move {
+        let r = match tokio::time::timeout(timeout, f).await {
+            Ok(r) => r,
+            Err(_) => Err(ClickHouseError::Timeout { addr, timeout }),
+        };
+        let _ = tx.send(r);
+    });
+    rx.recv().map_err(|_| ClickHouseError::RuntimeStopped)?
+}
+
+fn execute_on(store: &ClickHouseStore, client: &Client, sql: &str) -> Result<(), ClickHouseError> {
+    let c = client.clone();
+    let ctx = store.inner.ctx.clone();
+    let sql = sql.to_owned();
+    let r = store.run(store.timeout(), async move {
+        c.query_raw(&sql).execute().await.map_err(|e| ctx.map(e))
+    });
+    match r {
+        // A concurrent gateway created it first: TABLE_ALREADY_EXISTS (57),
+        // DATABASE_ALREADY_EXISTS (82).
+        Err(ClickHouseError::Server {
+            code: Some(57 | 82),
+            ..
+        }) => Ok(()),
+        Err(ClickHouseError::Server { message, .. }) if matches!(error_code(&message), Some(57 | 82)) => {
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_days() {
+        assert_eq!(utc_day(0), 19_700_101);
+        assert_eq!(utc_day(1_704_672_000_000_000), 20_240_108);
+        assert_eq!(utc_day(1_704_672_000_000_000 - 1), 20_240_107);
+        assert_eq!(utc_day(951_782_400_000_000), 20_000_229); // leap day 2000-02-29
+        assert_eq!(utc_day(-1), 19_691_231);
+    }
+
+    #[test]
+    fn quoting() {
+        assert_eq!(quote("a'b\\c"), "'a\\'b\\\\c'");
+    }
+}

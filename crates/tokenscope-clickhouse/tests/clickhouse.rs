@@ -1,0 +1,603 @@
+//! Against a real clickhouse-server (Debian 18.16 in CI): started per test on free loopback
+//! ports by the `testutil` harness. Without the binary every test prints a skip message and
+//! returns, unless `TOKENSCOPE_REQUIRE_CLICKHOUSE=1` (then it fails).
+
+use std::time::{Duration, Instant};
+
+use tokenscope_clickhouse::testutil::{clickhouse_or_skip, ClickHouseCluster, ClickHouseServer};
+use tokenscope_clickhouse::{ClickHouseConfig, ClickHouseSink, ClickHouseStore};
+use tokenscope_core::{
+    Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
+};
+use tokenscope_store::{ErrorClass, RecordSink, StoreError, UnmatchedCounts};
+
+fn server() -> Option<ClickHouseServer> {
+    if !clickhouse_or_skip() {
+        return None;
+    }
+    Some(ClickHouseServer::start().expect("start clickhouse-server"))
+}
+
+fn connect(url: &str) -> ClickHouseStore {
+    let store = ClickHouseStore::connect_url(url).expect("connect");
+    assert_eq!(store.migrate().expect("migrate"), 1);
+    store
+}
+
+fn now_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0)
+}
+
+fn full_record(id: &str) -> RequestRecord {
+    RequestRecord {
+        request_id: id.to_owned(),
+        trace_id: "4bf92f3577b34da6a3ce929d0e0e4736".to_owned(),
+        created_at: 1_700_000_000_123_456,
+        model: "llama-3.1-8b".to_owned(),
+        model_served: Some("meta-llama/Llama-3.1-8B-Instruct".to_owned()),
+        upstream: "vllm-a".to_owned(),
+        user_id: Some("alice".to_owned()),
+        tenant: Some("acme".to_owned()),
+        business_line: Some("search".to_owned()),
+        request_type: "chat".to_owned(),
+        api_key_id: Some("k_9f8e7d6c".to_owned()),
+        endpoint: Endpoint::Completions,
+        stream: true,
+        http_status: 502,
+        outcome: Outcome::UpstreamError,
+        error_type: Some("upstream_5xx".to_owned()),
+        finish_reason: Some("length".to_owned()),
+        max_tokens: Some(512),
+        input_tokens: Some(1234),
+        output_tokens: Some(u64::MAX),
+        cached_tokens: Some(1024),
+        reasoning_tokens: Some(12),
+        input_tokens_source: TokenSource::Usage,
+        output_tokens_source: TokenSource::Chunks,
+        input_bucket: Some(InputBucket::B512To2048),
+        queue_duration_ms: Some(12.5),
+        prefill_duration_ms: Some(80.25),
+        decode_duration_ms: Some(900.125),
+        queue_source: PhaseSource::Engine,
+        prefill_source: PhaseSource::Derived,
+        decode_source: PhaseSource::Engine,
+        ttft_ms: Some(95.001),
+        tpot_ms: Some(11.75),
+        itl_max_ms: Some(40.5),
+        itl_mean_ms: Some(1.0 / 3.0),
+        total_duration_ms: 1000.5,
+        upstream_headers_ms: Some(3.25),
+        gateway_overhead_ms: Some(0.125),
+        chunks: Some(76),
+        prompt_hash: Some("0123456789abcdef0123456789abcdef".to_owned()),
+        prompt_text: Some("hello, \"world\" — ünïcode\ttab\nnewline 'quote' \\ \0 nul".to_owned()),
+        draft_tokens: Some(40),
+        draft_accepted_tokens: Some(31),
+        engine: Some("vllm".to_owned()),
+        input_tokens_entry: Some(1230),
+        engine_running: Some(17.0),
+        engine_waiting: Some(3.0),
+        engine_kv_usage: Some(0.8125),
+        gpu_utilization: Some(0.9375),
+        gpu_memory_bandwidth: Some(0.625),
+    }
+}
+
+fn sparse_record(id: &str) -> RequestRecord {
+    RequestRecord {
+        request_id: id.to_owned(),
+        trace_id: "00000000000000000000000000000001".to_owned(),
+        created_at: 1_700_000_000_000_000,
+        model: "m".to_owned(),
+        upstream: "u".to_owned(),
+        request_type: "chat".to_owned(),
+        total_duration_ms: 1.0,
+        ..RequestRecord::default()
+    }
+}
+
+/// `n` distinct records spread over a few models and days ending now.
+fn batch(prefix: &str, n: usize) -> Vec<RequestRecord> {
+    let now = now_us();
+    (0..n)
+        .map(|i| {
+            let mut r = full_record(&format!("{prefix}-{i}"));
+            r.trace_id = format!("{prefix}-trace-{i}");
+            r.created_at = now - (i as i64 % 3) * 86_400_000_000 - i as i64;
+            r.model = format!("model-{}", i % 4);
+            r.input_tokens = Some(i as u64);
+            r.output_tokens = Some(1);
+            r
+        })
+        .collect()
+}
+
+#[test]
+fn round_trip_full_and_sparse() {
+    let Some(ch) = server() else { return };
+    let store = connect(&ch.url("rt"));
+    assert_eq!(store.server_version(), ch.query("SELECT version()").trim());
+    let full = full_record("req-full");
+    let sparse = sparse_record("req-sparse");
+    store.insert(&[full.clone(), sparse.clone()]).expect("insert");
+    assert_eq!(store.get("req-full").expect("get"), Some(full));
+    assert_eq!(store.get("req-sparse").expect("get"), Some(sparse));
+    assert_eq!(store.get("nope").expect("get"), None);
+    assert_eq!(store.count().expect("count"), 2);
+    // The derived time column and the article's columns answer plain SQL.
+    assert_eq!(
+        store
+            .query_text("SELECT toString(created_at), created_at_us, user_id, input_tokens, total_duration_ms FROM rt.llm_inference_log FINAL WHERE request_id = 'req-full'")
+            .expect("query"),
+        "2023-11-14 22:13:20\t1700000000123456\talice\t1234\t1000.5\n"
+    );
+    assert_eq!(store.schema_version().expect("version"), 1);
+    // Migrating again is a no-op.
+    assert_eq!(store.migrate().expect("migrate"), 1);
+    assert_eq!(
+        ch.query("SELECT count() FROM rt.tokenscope_schema_migrations FINAL").trim(),
+        "1"
+    );
+}
+
+#[test]
+fn batches_retries_and_versions() {
+    let Some(ch) = server() else { return };
+    let store = connect(&ch.url("b"));
+    let rows = batch("r", 10_000);
+    let t = Instant::now();
+    store.insert(&rows).expect("insert");
+    eprintln!("10 000 rows inserted in {:?}", t.elapsed());
+    let expected_sum: u64 = (0..10_000u64).sum();
+    let sums = || {
+        store
+            .query_text("SELECT count(), sum(input_tokens), uniqExact(request_id) FROM b.llm_inference_log FINAL")
+            .expect("query")
+    };
+    assert_eq!(sums(), format!("10000\t{expected_sum}\t10000\n"));
+    // A retried batch (same rows) does not double anything.
+    store.insert(&rows).expect("retry");
+    store.insert(&rows[..10]).expect("partial retry");
+    assert_eq!(store.count().expect("count"), 10_000);
+    assert_eq!(sums(), format!("10000\t{expected_sum}\t10000\n"));
+    // Without FINAL the unmerged duplicates are visible: proof that FINAL does the work.
+    let raw: u64 = ch
+        .query("SELECT count() FROM b.llm_inference_log")
+        .trim()
+        .parse()
+        .expect("n");
+    assert!(raw >= 10_000, "{raw}");
+    // A higher row version wins, whatever the insert order.
+    let mut newer = rows[5].clone();
+    newer.output_tokens = Some(999);
+    store.insert_versioned([(&newer, 2)]).expect("v2");
+    store.insert(&rows[5..6]).expect("stale v1 again");
+    assert_eq!(store.get(&rows[5].request_id).expect("get"), Some(newer.clone()));
+    ch.query("OPTIMIZE TABLE b.llm_inference_log FINAL");
+    assert_eq!(store.get(&rows[5].request_id).expect("get"), Some(newer));
+    assert_eq!(
+        ch.query("SELECT count() FROM b.llm_inference_log").trim(),
+        "10000"
+    );
+}
+
+fn engine_update(trace: &str) -> PhaseUpdate {
+    PhaseUpdate {
+        trace_id: trace.to_owned(),
+        queue_duration_ms: Some(40.0),
+        prefill_duration_ms: Some(55.5),
+        decode_duration_ms: None,
+        input_tokens: Some(700),
+        output_tokens: Some(99),
+    }
+}
+
+fn gateway_record(id: &str, trace: &str) -> RequestRecord {
+    let mut r = sparse_record(id);
+    r.created_at = now_us();
+    r.trace_id = trace.to_owned();
+    r.ttft_ms = Some(120.0);
+    r.queue_duration_ms = Some(10.0);
+    r.queue_source = PhaseSource::Derived;
+    r.decode_duration_ms = Some(500.0);
+    r.decode_source = PhaseSource::Engine;
+    r.output_tokens = Some(12);
+    r.output_tokens_source = TokenSource::Chunks;
+    r.input_bucket = Some(InputBucket::B0To128);
+    r
+}
+
+fn joined(r: &RequestRecord) -> RequestRecord {
+    let mut r = r.clone();
+    r.queue_duration_ms = Some(40.0);
+    r.queue_source = PhaseSource::Engine;
+    r.prefill_duration_ms = Some(55.5);
+    r.prefill_source = PhaseSource::Engine;
+    r.input_tokens = Some(700);
+    r.input_tokens_source = TokenSource::Engine;
+    r.input_bucket = Some(InputBucket::B512To2048);
+    r.output_tokens = Some(99);
+    r.output_tokens_source = TokenSource::Engine;
+    r
+}
+
+#[test]
+fn late_updates_after_and_before_the_row() {
+    let Some(ch) = server() else { return };
+    let store = connect(&ch.url("u"));
+    let mut sink = ClickHouseSink::new(store.clone());
+    assert_eq!(sink.name(), "clickhouse");
+    let a = gateway_record("a", "t1");
+    let b = gateway_record("b", "t2");
+    let c = gateway_record("c", "t3");
+    sink.write_batch(&[a.clone(), b.clone(), c.clone()]).expect("write");
+    assert_eq!(sink.cached_rows(), 3);
+
+    // After the row, found in the cache.
+    assert_eq!(sink.update(&[engine_update("t1")]).expect("update"), 1);
+    assert_eq!(store.get_versioned("a").expect("get"), Some((joined(&a), 2)));
+    assert_eq!(store.get("b").expect("get"), Some(b.clone()));
+    // Idempotent: the same update again changes nothing and writes nothing.
+    assert_eq!(sink.update(&[engine_update("t1"), engine_update("t1")]).expect("update"), 1);
+    assert_eq!(store.get_versioned("a").expect("get"), Some((joined(&a), 2)));
+
+    // After the row, not cached (another gateway's row, or after a restart): found by query.
+    let mut cold = ClickHouseSink::new(store.clone()).with_cache_rows(0);
+    cold.apply_updates(&[engine_update("t2")]).expect("update");
+    assert_eq!(store.get_versioned("b").expect("get"), Some((joined(&b), 2)));
+    // A second update on top of the first bumps the version again.
+    let later = PhaseUpdate {
+        trace_id: "t2".to_owned(),
+        decode_duration_ms: Some(7.0),
+        ..PhaseUpdate::default()
+    };
+    cold.apply_updates(&[later]).expect("update");
+    let mut b3 = joined(&b);
+    b3.decode_duration_ms = Some(7.0);
+    assert_eq!(store.get_versioned("b").expect("get"), Some((b3, 3)));
+    assert_eq!(cold.pending_updates(), 0);
+
+    // Before the row: parked, then applied when the row is written.
+    let mut first = engine_update("t9");
+    first.prefill_duration_ms = None;
+    let second = PhaseUpdate {
+        trace_id: "t9".to_owned(),
+        prefill_duration_ms: Some(55.5),
+        ..PhaseUpdate::default()
+    };
+    assert_eq!(sink.update(&[first]).expect("update"), 0);
+    assert_eq!(sink.update(&[second]).expect("update"), 0);
+    assert_eq!(sink.pending_updates(), 1);
+    let d = gateway_record("d", "t9");
+    sink.write_batch(&[gateway_record("other", "t8")]).expect("write");
+    assert_eq!(sink.pending_updates(), 1);
+    sink.write_batch(std::slice::from_ref(&d)).expect("write");
+    assert_eq!(sink.pending_updates(), 0);
+    assert_eq!(store.get_versioned("d").expect("get"), Some((joined(&d), 2)));
+    assert_eq!(sink.take_unmatched(true), UnmatchedCounts::default());
+
+    // Unmatched at shutdown is reported.
+    sink.update(&[engine_update("never")]).expect("update");
+    assert_eq!(sink.take_unmatched(true).shutdown, 1);
+    assert_eq!(store.count().expect("count"), 5);
+}
+
+#[test]
+fn concurrent_migrate_on_a_fresh_database() {
+    let Some(ch) = server() else { return };
+    let url = ch.url("conc");
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let store = ClickHouseStore::connect_url(&url).expect("connect");
+                store.migrate()
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().expect("join").expect("migrate"), 1);
+    }
+    assert_eq!(
+        ch.query("SELECT count() FROM conc.tokenscope_schema_migrations FINAL").trim(),
+        "1"
+    );
+    assert_eq!(
+        ch.query("SELECT name FROM system.tables WHERE database = 'conc' ORDER BY name"),
+        "llm_inference_log\ntokenscope_schema_migrations\n"
+    );
+    let store = connect(&url);
+    store.insert(&[sparse_record("x")]).expect("insert");
+    assert_eq!(store.count().expect("count"), 1);
+}
+
+#[test]
+fn dropped_table_is_a_schema_error_and_the_sink_recreates_it() {
+    let Some(ch) = server() else { return };
+    let store = connect(&ch.url("dr"));
+    store.insert(&[sparse_record("before")]).expect("insert");
+    ch.query("DROP TABLE dr.llm_inference_log");
+    let e = store.insert(&[sparse_record("x")]).expect_err("no table");
+    assert_eq!(e.class(), ErrorClass::Schema, "{e}");
+    let se: StoreError = e.into();
+    assert_eq!(se.class(), ErrorClass::Schema);
+    assert!(se.to_string().contains("dr.llm_inference_log"), "{se}");
+    // The sink recreates the table inside write_batch and writes the batch.
+    let mut sink = ClickHouseSink::new(store.clone());
+    sink.write_batch(&[sparse_record("x"), sparse_record("y")]).expect("write after repair");
+    assert_eq!(store.count().expect("count"), 2);
+    // Even the database.
+    ch.query("DROP DATABASE dr");
+    let e = store.count().expect_err("no database");
+    assert_eq!(e.class(), ErrorClass::Schema, "{e}");
+    sink.write_batch(&[sparse_record("z")]).expect("write after repair");
+    assert_eq!(store.count().expect("count"), 1);
+}
+
+#[test]
+fn wrong_password_is_an_auth_error_without_the_password() {
+    if !clickhouse_or_skip() {
+        return;
+    }
+    let mut ch = ClickHouseServer::builder()
+        .user("ts", "right-pw")
+        .start()
+        .expect("start");
+    let url = ch.url("au");
+    assert!(url.starts_with("clickhouse://ts:right-pw@127.0.0.1:"), "{url}");
+    let store = connect(&url);
+    store.insert(&[sparse_record("ok")]).expect("insert");
+    // Wrong password at connect.
+    let bad = url.replace("right-pw", "wrong-pw");
+    let e = ClickHouseStore::connect_url(&bad).expect_err("wrong password");
+    assert_eq!(e.class(), ErrorClass::Auth, "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("authentication failed for user ts"), "{msg}");
+    assert!(!msg.contains("wrong-pw"), "{msg}");
+    // The password changes server-side while the store runs.
+    ch.set_password("ts", "new-pw");
+    let e: StoreError = store.insert(&[sparse_record("x")]).expect_err("stale password").into();
+    assert_eq!(e.class(), ErrorClass::Auth, "{e}");
+    assert!(!e.to_string().contains("right-pw"), "{e}");
+    let store = connect(&ch.url("au"));
+    assert_eq!(store.count().expect("count"), 1);
+}
+
+#[test]
+fn server_down_is_unavailable_within_the_timeout() {
+    let Some(mut ch) = server() else { return };
+    let url = format!("{}?timeout_ms=700", ch.url("dn"));
+    let store = connect(&url);
+    store.insert(&[sparse_record("a")]).expect("insert");
+    // Hung (SIGSTOP): accepted connections, no answer → timeout.
+    ch.pause();
+    let t = Instant::now();
+    let e = store.insert(&[sparse_record("b")]).expect_err("paused");
+    let took = t.elapsed();
+    ch.resume();
+    assert_eq!(e.class(), ErrorClass::Unavailable, "{e}");
+    assert!(took >= Duration::from_millis(700) && took < Duration::from_secs(3), "{took:?}");
+    // Killed: connection refused → immediately unavailable.
+    ch.kill();
+    let t = Instant::now();
+    let e = store.count().expect_err("down");
+    assert_eq!(e.class(), ErrorClass::Unavailable, "{e}");
+    assert!(t.elapsed() < Duration::from_millis(700), "{:?}", t.elapsed());
+    let e = ClickHouseStore::connect_url(&url).expect_err("down");
+    assert_eq!(e.class(), ErrorClass::Unavailable, "{e}");
+    // Back on the same data directory: the store reconnects by itself.
+    ch.start_again().expect("restart");
+    store.insert(&[sparse_record("c")]).expect("insert after restart");
+    let n = store.count().expect("count");
+    // "b" may or may not have been written before the pause took effect.
+    assert!(n == 2 || n == 3, "{n}");
+    assert!(store.get("a").expect("get").is_some() && store.get("c").expect("get").is_some());
+}
+
+#[test]
+fn streaming_lines_and_sync_use_inside_a_runtime() {
+    let Some(ch) = server() else { return };
+    let store = connect(&ch.url("st"));
+    let (mut n, mut sum, mut longest) = (0u64, 0u64, 0usize);
+    store
+        .for_each_tsv_line("SELECT number, arrayStringConcat(arrayMap(x -> 'x', range(number % 1000))) FROM system.numbers LIMIT 200000", |line| {
+            let (num, pad) = std::str::from_utf8(line)
+                .ok()
+                .and_then(|l| l.split_once('\t'))
+                .expect("two fields");
+            let v: u64 = num.parse().expect("number");
+            assert_eq!(pad.len() as u64, v % 1000);
+            n += 1;
+            sum += v;
+            longest = longest.max(line.len());
+            Ok(())
+        })
+        .expect("stream");
+    assert_eq!((n, sum), (200_000, (0..200_000u64).sum()));
+    // A callback error stops the stream and is returned.
+    let mut seen = 0;
+    let e = store
+        .for_each_tsv_line("SELECT number FROM system.numbers LIMIT 1000000", |_| {
+            seen += 1;
+            if seen == 10 {
+                Err(tokenscope_clickhouse::ClickHouseError::Callback("enough".to_owned()))
+            } else {
+                Ok(())
+            }
+        })
+        .expect_err("stopped");
+    assert_eq!((seen, e.to_string()), (10, "enough".to_owned()));
+    // A bad statement is an error, not an empty result.
+    let e = store.query_text("SELEC 1").expect_err("syntax");
+    assert_eq!(e.class(), ErrorClass::Rejected, "{e}");
+
+    // Called (and dropped) from inside a tokio runtime: no "runtime within a runtime" panic.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("rt");
+    let url = ch.url("st");
+    rt.block_on(async move {
+        let store = ClickHouseStore::connect_url(&url).expect("connect");
+        store.insert(&[sparse_record("in-rt")]).expect("insert");
+        assert_eq!(store.count().expect("count"), 1);
+        drop(store);
+    });
+}
+
+#[test]
+fn retention_sweep_drops_old_days() {
+    let Some(ch) = server() else { return };
+    let store = connect(&format!("{}?ttl_days=2", ch.url("ret")));
+    let day = 86_400_000_000i64;
+    let now = now_us();
+    let rows: Vec<RequestRecord> = (0..5)
+        .map(|d| {
+            let mut r = sparse_record(&format!("d{d}"));
+            r.created_at = now - d * day;
+            r
+        })
+        .collect();
+    store.insert(&rows).expect("insert");
+    // Today − 2 days is the oldest day kept: d0, d1, d2 stay; d3, d4 go.
+    assert_eq!(store.retention_sweep().expect("sweep"), 2);
+    assert_eq!(store.count().expect("count"), 3);
+    assert_eq!(store.retention_sweep().expect("sweep"), 0);
+    assert!(store.get("d2").expect("get").is_some());
+    assert!(store.get("d3").expect("get").is_none());
+    // No ttl_days: nothing to do.
+    let plain = connect(&ch.url("ret"));
+    assert_eq!(plain.retention_sweep().expect("sweep"), 0);
+}
+
+#[test]
+fn lz4_compression_round_trip() {
+    let Some(ch) = server() else { return };
+    let store = connect(&format!("{}?compression=lz4", ch.url("lz")));
+    assert!(store.config().compression);
+    let rows = batch("z", 2000);
+    store.insert(&rows).expect("insert");
+    assert_eq!(store.count().expect("count"), 2000);
+    assert_eq!(store.get("z-7").expect("get"), Some(rows[7].clone()));
+}
+
+#[test]
+fn two_shards_distributed_without_duplicates() {
+    if !clickhouse_or_skip() {
+        return;
+    }
+    let cluster = ClickHouseCluster::start_two_shards().expect("cluster");
+    let url = cluster.url(0, "cl");
+    let cfg = ClickHouseConfig::from_url(&url).expect("url");
+    assert_eq!(cfg.shards.len(), 2);
+    let store = connect(&url);
+    for node in &cluster.nodes {
+        assert_eq!(
+            node.query("SELECT name, engine FROM system.tables WHERE database = 'cl' ORDER BY name"),
+            "llm_inference_log\tDistributed\nllm_inference_log_local\tReplacingMergeTree\ntokenscope_schema_migrations\tReplacingMergeTree\n"
+        );
+    }
+    let rows = batch("c", 1000);
+    store.insert(&rows).expect("insert");
+    store.insert(&rows).expect("retried batch");
+    let mut newer = rows[3].clone();
+    newer.output_tokens = Some(42);
+    store.insert_versioned([(&newer, 2)]).expect("v2");
+    assert_eq!(store.count().expect("count"), 1000);
+    assert_eq!(store.get(&rows[3].request_id).expect("get"), Some(newer));
+    // Every shard holds a part, the parts add up (sharded by request id).
+    let per_node: Vec<u64> = cluster
+        .nodes
+        .iter()
+        .map(|n| {
+            n.query("SELECT count() FROM cl.llm_inference_log_local FINAL")
+                .trim()
+                .parse()
+                .expect("n")
+        })
+        .collect();
+    assert!(per_node.iter().all(|n| *n > 0), "{per_node:?}");
+    assert_eq!(per_node.iter().sum::<u64>(), 1000);
+    // The other node is an entry point too.
+    let other = ClickHouseStore::connect_url(&cluster.url(1, "cl")).expect("connect");
+    assert_eq!(other.count().expect("count"), 1000);
+    // Late updates through the Distributed table.
+    let mut sink = ClickHouseSink::new(other).with_cache_rows(0);
+    let mut u = engine_update(&rows[10].trace_id);
+    u.output_tokens = None;
+    sink.update(&[u]).expect("update");
+    let got = store.get(&rows[10].request_id).expect("get").expect("row");
+    assert_eq!(got.prefill_duration_ms, Some(55.5));
+    assert_eq!(store.count().expect("count"), 1000);
+}
+
+#[test]
+fn report_matches_the_embedded_store() {
+    use tokenscope_store::{Dimension, ReportQuery, SqliteStore, NONE_LABEL};
+    let Some(ch) = server() else { return };
+    let store = connect(&ch.url("rep"));
+    let day = 86_400_000_000i64;
+    let t0 = 1_704_067_200_000_000i64; // 2024-01-01T00:00:00Z
+    let rows: Vec<RequestRecord> = (0..3000u64)
+        .map(|i| {
+            let mut r = sparse_record(&format!("q{i}"));
+            r.created_at = t0 + (i as i64 * 7_919_000_123) % (3 * day);
+            r.model = ["m0", "m1", "m'2\\x"][(i % 3) as usize].to_owned();
+            r.user_id = match i % 5 {
+                0 => None,
+                1 => Some("tab\there\nnl".to_owned()),
+                n => Some(format!("u{n}")),
+            };
+            r.stream = i % 2 == 0;
+            r.outcome = if i % 11 == 0 { Outcome::Timeout } else { Outcome::Ok };
+            r.ttft_ms = (i % 4 != 0).then(|| (i % 997) as f64 * 0.37 + 0.1);
+            r.tpot_ms = (i % 3 != 0).then(|| (i % 89) as f64 / 7.0);
+            r.total_duration_ms = (i % 1009) as f64 * 1.3;
+            r.queue_duration_ms = (i % 6 != 0).then(|| (i % 50) as f64 * 0.25);
+            r.prefill_duration_ms = Some(i as f64 / 3.0);
+            r.input_tokens = (i % 7 != 0).then_some(i * 3);
+            r.output_tokens = Some(i % 100);
+            r.cached_tokens = (i % 2 == 0).then_some(i % 64);
+            r.engine_kv_usage = (i % 9 != 0).then(|| (i % 100) as f64 / 97.0);
+            r.gpu_utilization = Some((i % 10) as f64 / 10.0);
+            r.input_bucket = r.input_tokens.map(InputBucket::of);
+            r
+        })
+        .collect();
+    store.insert(&rows).expect("insert");
+    store.insert(&rows[..500]).expect("retried part"); // FINAL keeps the report exact
+    let mut sqlite = SqliteStore::open_in_memory().expect("sqlite");
+    sqlite.insert_batch(&rows).expect("sqlite insert");
+    let queries = [
+        ReportQuery {
+            since_us: t0,
+            until_us: Some(t0 + 3 * day),
+            group_by: vec![Dimension::Model, Dimension::User, Dimension::Stream, Dimension::KvUsageBand],
+            interval: Some(Duration::from_secs(86_400)),
+            filters: vec![],
+        },
+        ReportQuery {
+            since_us: t0 + day / 2,
+            until_us: Some(t0 + 2 * day),
+            group_by: vec![Dimension::InputBucket, Dimension::Status, Dimension::GpuBand],
+            interval: None,
+            filters: vec![(Dimension::Model, "m'2\\x".to_owned())],
+        },
+        ReportQuery {
+            since_us: t0,
+            until_us: Some(t0 + 3 * day),
+            group_by: vec![Dimension::Model],
+            interval: Some(Duration::from_secs(3600)),
+            filters: vec![(Dimension::User, NONE_LABEL.to_owned()), (Dimension::Stream, "true".to_owned())],
+        },
+    ];
+    for q in &queries {
+        let expected = tokenscope_store::run_report(&sqlite, q).expect("sqlite report");
+        let got = store.report(q).expect("clickhouse report");
+        assert!(!expected.is_empty());
+        assert_eq!(got, expected, "{q:?}");
+    }
+}

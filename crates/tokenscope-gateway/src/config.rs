@@ -99,7 +99,7 @@ impl Default for PipelineSection {
     fn default() -> Self {
         Self {
             capacity: 65_536,
-            batch_size: 4096,
+            batch_size: 8192,
             flush_interval_ms: 200,
             handoff_batches: 4,
             retry_backoff_max_ms: 5_000,

@@ -230,7 +230,9 @@ impl PipelineObserver for NoopObserver {}
 pub struct PipelineConfig {
     /// Queue capacity in records (default 65 536).
     pub capacity: usize,
-    /// Rows (records + updates) per write (default 4096).
+    /// Rows (records + updates) per write (default 8192: large transactions are what makes
+    /// the embedded store fast under load, see docs/benchmarks.md; at normal rates the flush
+    /// interval cuts batches long before they fill).
     pub batch_size: usize,
     /// Longest time a row waits in a partial batch (default 200 ms).
     pub flush_interval: Duration,
@@ -249,7 +251,7 @@ impl Default for PipelineConfig {
     fn default() -> Self {
         Self {
             capacity: 65_536,
-            batch_size: 4096,
+            batch_size: 8192,
             flush_interval: Duration::from_millis(200),
             retry_attempts: 3,
             handoff_batches: 4,
@@ -1494,7 +1496,7 @@ mod tests {
             ),
             (
                 65_536,
-                4096,
+                8192,
                 Duration::from_millis(200),
                 3,
                 4,

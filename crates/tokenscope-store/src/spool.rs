@@ -1767,7 +1767,7 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
         #[test]
-        fn spool_matches_in_memory_model(ops in prop::collection::vec(op(), 1..60)) {
+        fn spool_matches_in_memory_model(ops in prop::collection::vec(op(), 1..48)) {
             let dir = tempfile::tempdir().expect("tempdir");
             let c = cfg(dir.path(), PROP_SEGMENT, PROP_MAX, false);
             let mut spool = Some(Spool::open(c.clone()).expect("open"));

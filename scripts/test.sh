@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (`.ci/run` calls exactly this).
 #
-# 1. installs what is missing: promtool (Debian `prometheus`), llama.cpp's server and a small
-#    GGUF model (scripts/install-llama.sh, cached outside the clone);
+# 1. installs what is missing: promtool (Debian `prometheus`), clickhouse-server (Debian,
+#    scripts/install-clickhouse.sh), llama.cpp's server and a small GGUF model
+#    (scripts/install-llama.sh, cached outside the clone);
 # 2. checks formatting and lints (cargo fmt, clippy -D warnings);
 # 3. builds and runs every test, including the real-engine ones.
 #
@@ -10,7 +11,7 @@
 #   CARGO_TARGET_DIR   build cache (default: $HOME/.cache/tokenscope/target, outside the clone)
 #   TOKENSCOPE_CACHE   engine/model cache (default: $HOME/.cache/tokenscope)
 #   SKIP_INSTALL=1     do not install anything (tests needing a missing part then skip,
-#                      unless TOKENSCOPE_REQUIRE_ENGINE / TOKENSCOPE_REQUIRE_PROMTOOL are 1)
+#                      unless TOKENSCOPE_REQUIRE_ENGINE / _PROMTOOL / _CLICKHOUSE are 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +31,9 @@ if [ "${SKIP_INSTALL:-0}" != "1" ]; then
       ($SUDO systemctl stop prometheus 2>/dev/null || $SUDO service prometheus stop 2>/dev/null || true) >/dev/null 2>&1
     fi
   fi
+  step "installing clickhouse-server (Debian package, for the ClickHouse store tests)"
+  bash scripts/install-clickhouse.sh
+  export TOKENSCOPE_REQUIRE_CLICKHOUSE="${TOKENSCOPE_REQUIRE_CLICKHOUSE:-1}"
   step "installing llama.cpp server + Gemma 3 270M (cached in $TOKENSCOPE_CACHE)"
   # Runs in the background while Rust builds: both are long on 2 cores.
   bash scripts/install-llama.sh > "$TOKENSCOPE_CACHE.install.log" 2>&1 &

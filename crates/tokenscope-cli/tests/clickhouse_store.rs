@@ -29,8 +29,12 @@ fn chat(model: &str, stream: bool) -> Value {
 async fn one_request(gw_url: &str, i: usize) -> (u16, String, Duration) {
     let t0 = Instant::now();
     let model = ["ch-a", "ch-b", "ch-c"][i % 3];
-    let (status, headers, _body) =
-        post_json(gw_url, &chat(model, i % 2 == 0), &[("x-user-id", "u1")]).await;
+    let (status, headers, _body) = post_json(
+        gw_url,
+        &chat(model, i.is_multiple_of(2)),
+        &[("x-user-id", "u1")],
+    )
+    .await;
     let id = headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
@@ -56,7 +60,9 @@ fn start_load(
                 let mut i = w;
                 while !stop.load(Ordering::SeqCst) {
                     let (st, id, lat) = one_request(&url, i).await;
-                    out.lock().expect("results").push((Instant::now(), st, id, lat));
+                    out.lock()
+                        .expect("results")
+                        .push((Instant::now(), st, id, lat));
                     i += workers;
                     tokio::time::sleep(pause).await;
                 }
@@ -99,7 +105,9 @@ fn counts(ch: &ClickHouseServer, table: &str) -> (u64, u64) {
     let out = ch.query(&format!(
         "SELECT count(), uniqExact(request_id) FROM {table} FINAL"
     ));
-    let mut it = out.split_whitespace().map(|s| s.parse::<u64>().expect("count"));
+    let mut it = out
+        .split_whitespace()
+        .map(|s| s.parse::<u64>().expect("count"));
     (it.next().expect("count"), it.next().expect("uniq"))
 }
 
@@ -176,10 +184,19 @@ async fn clickhouse_outage_of_30s_keeps_exactly_n_rows() {
     assert_eq!(metric_sum(&m, "tokenscope_records_dropped_total"), 0.0);
     assert!(metric_sum(&m, "tokenscope_records_spooled_total") > 0.0);
     assert!(metric_sum(&m, "tokenscope_records_replayed_total") > 0.0);
-    assert!(metric_where(&m, "tokenscope_store_errors_total", &[("kind", "unavailable")]) > 0.0);
+    assert!(
+        metric_where(
+            &m,
+            "tokenscope_store_errors_total",
+            &[("kind", "unavailable")]
+        ) > 0.0
+    );
     assert!(metric_sum(&m, "tokenscope_store_retries_total") > 0.0);
     assert_eq!(metric_sum(&m, "tokenscope_store_up"), 1.0);
-    assert_eq!(metric_sum(&m, "tokenscope_spool_oldest_unsent_age_seconds"), 0.0);
+    assert_eq!(
+        metric_sum(&m, "tokenscope_spool_oldest_unsent_age_seconds"),
+        0.0
+    );
 
     // The request path did not feel the outage (printed; the benchmark measures it properly).
     let lat = |f: &dyn Fn(Instant) -> bool| -> Vec<Duration> {
@@ -221,7 +238,12 @@ async fn sigkill_under_load_then_restart_replays_every_spooled_record_once() {
     for t in load {
         let _ = t.await;
     }
-    let sent: HashSet<String> = results.lock().expect("results").iter().map(|r| r.2.clone()).collect();
+    let sent: HashSet<String> = results
+        .lock()
+        .expect("results")
+        .iter()
+        .map(|r| r.2.clone())
+        .collect();
 
     ch.start_again().expect("restart clickhouse");
     let spool_env = spool_dir.to_string_lossy().into_owned();
@@ -243,7 +265,10 @@ async fn sigkill_under_load_then_restart_replays_every_spooled_record_once() {
         "every spooled record is back: {count} stored, {spooled} spooled before the kill"
     );
     let stored = stored_ids(&ch, table);
-    assert!(stored.is_subset(&sent), "only records of requests that were made");
+    assert!(
+        stored.is_subset(&sent),
+        "only records of requests that were made"
+    );
     assert_eq!(raw_after_merge(&ch, table), count, "no duplicate rows");
     let m = gw2.metrics().await;
     assert_eq!(metric_sum(&m, "tokenscope_records_lost_total"), 0.0);
@@ -389,7 +414,10 @@ async fn two_shards_and_two_gateways_report_every_request() {
             "--store", url, "--since", "1h", "--by", "model", "--format", "json",
         ]);
         let rows: Vec<Value> = serde_json::from_str(&out).expect("json");
-        let total: u64 = rows.iter().map(|r| r["count"].as_u64().expect("count")).sum();
+        let total: u64 = rows
+            .iter()
+            .map(|r| r["count"].as_u64().expect("count"))
+            .sum();
         assert_eq!(total, 100, "{out}");
     }
 }
@@ -420,7 +448,8 @@ fn parity_records(now_us: i64) -> Vec<tokenscope_core::RequestRecord> {
                 request_id: format!("req-{i:06}"),
                 trace_id: format!("{:032x}", u128::from(r) * 31 + i as u128),
                 created_at: now_us - ((r >> 8) % (2 * 86_400_000_000)) as i64,
-                model: ["llama-3-8b", "qwen-7b", "gemma-2b", "it's \"odd\"\tname"][(r >> 3) as usize % 4]
+                model: ["llama-3-8b", "qwen-7b", "gemma-2b", "it's \"odd\"\tname"]
+                    [(r >> 3) as usize % 4]
                     .to_owned(),
                 upstream: "up".to_owned(),
                 user_id: (r % 7 != 0).then(|| format!("user-{}", (r >> 5) % 40)),
@@ -485,10 +514,35 @@ fn reports_are_identical_on_the_embedded_store_and_clickhouse() {
     let cases: Vec<Vec<&str>> = vec![
         vec!["--format", "json"],
         vec!["--by", "model,user", "--format", "json"],
-        vec!["--by", "input_bucket,stream,status", "--interval", "6h", "--format", "csv"],
+        vec![
+            "--by",
+            "input_bucket,stream,status",
+            "--interval",
+            "6h",
+            "--format",
+            "csv",
+        ],
         vec!["--by", "engine,kv_band,gpu_band", "--format", "json"],
-        vec!["--by", "tenant", "--filter", "model=llama-3-8b", "--filter", "user=(none)", "--format", "json"],
-        vec!["--by", "model", "--filter", "kv_band=80-95%", "--filter", "stream=true", "--format", "table"],
+        vec![
+            "--by",
+            "tenant",
+            "--filter",
+            "model=llama-3-8b",
+            "--filter",
+            "user=(none)",
+            "--format",
+            "json",
+        ],
+        vec![
+            "--by",
+            "model",
+            "--filter",
+            "kv_band=80-95%",
+            "--filter",
+            "stream=true",
+            "--format",
+            "table",
+        ],
     ];
     for case in cases {
         let mut a: Vec<&str> = vec!["--store", &db_s];
@@ -498,7 +552,13 @@ fn reports_are_identical_on_the_embedded_store_and_clickhouse() {
         b.extend(base);
         b.extend(case.iter().copied());
         let (left, right) = (report_cli(&a), report_cli(&b));
-        assert!(left.lines().count() > 1 || left.contains("count"), "empty report for {case:?}: {left}");
-        assert_eq!(left, right, "report {case:?} differs between SQLite and ClickHouse");
+        assert!(
+            left.lines().count() > 1 || left.contains("count"),
+            "empty report for {case:?}: {left}"
+        );
+        assert_eq!(
+            left, right,
+            "report {case:?} differs between SQLite and ClickHouse"
+        );
     }
 }

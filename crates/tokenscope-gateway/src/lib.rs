@@ -45,9 +45,9 @@ use tokenscope_engine_state::{
     EngineStateHandle, EngineTarget, GpuConfig, GpuStateHandle, KindHint, ScrapeConfig,
 };
 use tokenscope_store::{
-    spawn_pipeline, spawn_pipeline_with_spool, DropReason, ErrorClass, LossReason,
-    PipelineConfig, PipelineHandle, PipelineObserver, RecordSink, Recorder, ShutdownReport, Spool,
-    SpoolConfig, SpoolState, SqliteStore, StoreError,
+    spawn_pipeline, spawn_pipeline_with_spool, DropReason, ErrorClass, LossReason, PipelineConfig,
+    PipelineHandle, PipelineObserver, RecordSink, Recorder, ShutdownReport, Spool, SpoolConfig,
+    SpoolState, SqliteStore, StoreError,
 };
 use tokenscope_telemetry::{Metrics, MetricsConfig, UserLabelMode};
 

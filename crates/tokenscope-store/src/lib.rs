@@ -30,8 +30,8 @@ pub mod error;
 pub mod pending;
 pub mod pipeline;
 pub mod report;
-pub mod sqlite;
 pub mod spool;
+pub mod sqlite;
 
 pub use error::{ErrorClass, StoreError};
 pub use pending::{PendingUpdates, UnmatchedCounts, UnmatchedReason};

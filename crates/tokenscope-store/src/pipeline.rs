@@ -1047,7 +1047,13 @@ impl Sender {
     }
 
     fn spool_pending(&self) -> bool {
-        self.link.has_spool && self.link.lock().spool.as_ref().is_some_and(|s| !s.is_empty())
+        self.link.has_spool
+            && self
+                .link
+                .lock()
+                .spool
+                .as_ref()
+                .is_some_and(|s| !s.is_empty())
     }
 
     /// A handed-off batch: written now if the store is healthy and nothing waits before it,
@@ -1055,7 +1061,9 @@ impl Sender {
     fn write_direct(&mut self, batch: Batch) {
         if !self.link.has_spool {
             // Records and updates separately: records whose updates fail are still written.
-            let Batch { records, updates, .. } = batch;
+            let Batch {
+                records, updates, ..
+            } = batch;
             if !records.is_empty() {
                 match self.with_retries(records.len(), |sink| sink.write_batch(&records)) {
                     Ok(latency) => self.written_rows(records.len(), latency, false),
@@ -1136,7 +1144,10 @@ impl Sender {
                 Ok(b) => b,
                 Err(e) => {
                     tracing::error!(error = %e, seq = entry.seq, "undecodable batch in the tokenscope spool; skipped (its records are LOST)");
-                    self.link.shared.obs.on_lost(0, LossReason::SpoolError, false);
+                    self.link
+                        .shared
+                        .obs
+                        .on_lost(0, LossReason::SpoolError, false);
                     self.ack(entry.seq);
                     continue;
                 }
@@ -1151,8 +1162,7 @@ impl Sender {
                 Err(err) => {
                     self.failed(&err);
                     self.attempt += 1;
-                    if err.class() == ErrorClass::Rejected
-                        && self.attempt > self.cfg.retry_attempts
+                    if err.class() == ErrorClass::Rejected && self.attempt > self.cfg.retry_attempts
                     {
                         tracing::error!(error = %err, rows = batch.records.len(), "the store rejects a spooled batch's data on every attempt; dropping it (its records are LOST)");
                         self.ack(entry.seq);
@@ -1363,10 +1373,7 @@ mod tests {
             self.spooled.fetch_add(rows as u64, Ordering::SeqCst);
         }
         fn on_store_error(&self, class: ErrorClass, _err: &StoreError) {
-            self.store_errors
-                .lock()
-                .expect("store errors")
-                .push(class);
+            self.store_errors.lock().expect("store errors").push(class);
         }
         fn on_update_unmatched(&self, reason: UnmatchedReason, updates: u64) {
             self.unmatched
@@ -1708,7 +1715,10 @@ mod tests {
         }
         handle.flush();
         // Nothing written, nothing lost: everything is on disk.
-        assert_eq!((rec_tx.written(), rec_tx.lost(), rec_tx.dropped()), (0, 0, 0));
+        assert_eq!(
+            (rec_tx.written(), rec_tx.lost(), rec_tx.dropped()),
+            (0, 0, 0)
+        );
         assert_eq!(obs.spooled.load(Ordering::SeqCst), 500);
         let st = handle.spool_state();
         assert!(st.batches >= 50 && st.bytes > 0 && !st.store_up, "{st:?}");
@@ -1726,11 +1736,19 @@ mod tests {
         // is spooled after those spilled meanwhile.)
         let mut ids = sink.ids();
         ids.sort();
-        assert_eq!(ids, (0..500).map(|i| format!("r{i:06}")).collect::<Vec<_>>());
+        assert_eq!(
+            ids,
+            (0..500).map(|i| format!("r{i:06}")).collect::<Vec<_>>()
+        );
         assert_eq!(sink.updates.lock().expect("updates").len(), 5);
         let report = handle.shutdown(Duration::from_secs(5));
         assert_eq!(
-            (report.written, report.lost, report.spooled, report.spooled_batches),
+            (
+                report.written,
+                report.lost,
+                report.spooled,
+                report.spooled_batches
+            ),
             (500, 0, 500, 0)
         );
         assert!(handle_state_up(&obs));
@@ -1769,7 +1787,10 @@ mod tests {
         ids.dedup();
         assert_eq!(ids.len(), 2000);
         let report = handle.shutdown(Duration::from_secs(5));
-        assert_eq!((report.lost, report.dropped, report.spooled_batches), (0, 0, 0));
+        assert_eq!(
+            (report.lost, report.dropped, report.spooled_batches),
+            (0, 0, 0)
+        );
     }
 
     #[test]
@@ -1807,7 +1828,10 @@ mod tests {
         // The earlier run's rows come first, each once; the new record after them.
         let mut first: Vec<String> = ids[..300].to_vec();
         first.sort();
-        assert_eq!(first, (0..300).map(|i| format!("r{i:06}")).collect::<Vec<_>>());
+        assert_eq!(
+            first,
+            (0..300).map(|i| format!("r{i:06}")).collect::<Vec<_>>()
+        );
         assert_eq!(ids[300], "r001000");
         let report = handle2.shutdown(Duration::from_secs(5));
         assert_eq!((report.spooled_batches, report.lost), (0, 0));

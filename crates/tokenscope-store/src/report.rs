@@ -2082,7 +2082,9 @@ mod tests {
         let (sql, params, _) = report_sql(&q, q.since_us, q.until_us).expect("report");
         let mut stmt = store.conn().prepare(&sql).expect("report");
         let n = stmt.column_count();
-        let mut rows = stmt.query(rusqlite::params_from_iter(params)).expect("report");
+        let mut rows = stmt
+            .query(rusqlite::params_from_iter(params))
+            .expect("report");
         let mut sc = Scanner::new(&q).expect("report");
         while let Some(r) = rows.next().expect("report") {
             let owned: Vec<rusqlite::types::Value> = (0..n)

@@ -540,7 +540,11 @@ impl Metrics {
             .sum();
         let lost: u64 = LOSS_REASONS
             .into_iter()
-            .map(|reason| self.records_lost.get_or_create(&ReasonLabels { reason }).get())
+            .map(|reason| {
+                self.records_lost
+                    .get_or_create(&ReasonLabels { reason })
+                    .get()
+            })
             .sum();
         dropped + lost
     }

@@ -57,11 +57,11 @@ impl GatewayProc {
             cmd.arg("--store").arg(&store);
         }
         cmd.args(args)
-        .env("TOKENSCOPE_SPOOL__DIR", dir.path().join("spool"))
-        .env("TOKENSCOPE_PIPELINE__FLUSH_INTERVAL_MS", "20")
-        .env("TOKENSCOPE_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+            .env("TOKENSCOPE_SPOOL__DIR", dir.path().join("spool"))
+            .env("TOKENSCOPE_PIPELINE__FLUSH_INTERVAL_MS", "20")
+            .env("TOKENSCOPE_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
         for (k, v) in extra_env {
             cmd.env(k, v);
         }

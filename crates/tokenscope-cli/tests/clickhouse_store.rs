@@ -562,3 +562,46 @@ fn reports_are_identical_on_the_embedded_store_and_clickhouse() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_gateways_started_together_share_one_server() {
+    if !clickhouse_or_skip() {
+        return;
+    }
+    let ch = ClickHouseServer::start().expect("start clickhouse");
+    let mock = MockProc::start(&[]);
+    let url = ch.url("ts_replicas");
+    // Both replicas start (and migrate a fresh database) at the same moment.
+    let starts: Vec<_> = (0..2)
+        .map(|_| {
+            let (m, u) = (mock.url(), url.clone());
+            std::thread::spawn(move || {
+                GatewayProc::start_with_args(Some(&m), &["--store", &u], &[])
+            })
+        })
+        .collect();
+    let gws: Vec<GatewayProc> = starts
+        .into_iter()
+        .map(|t| t.join().expect("gateway start"))
+        .collect();
+    let mut tasks = Vec::new();
+    for (g, gw) in gws.iter().enumerate() {
+        for i in 0..30 {
+            let t = gw.url("/v1/chat/completions");
+            tasks.push(tokio::spawn(async move { one_request(&t, i + g).await.0 }));
+        }
+    }
+    for t in tasks {
+        assert_eq!(t.await.expect("request"), 200);
+    }
+    for gw in &gws {
+        wait_metrics(gw, 30, "rows written", |m| {
+            metric_sum(m, "tokenscope_records_written_total") == 30.0
+        })
+        .await;
+    }
+    assert_eq!(counts(&ch, "ts_replicas.llm_inference_log"), (60, 60));
+    let out = report_cli(&["--store", &url, "--since", "1h", "--format", "json"]);
+    let rows: Vec<Value> = serde_json::from_str(&out).expect("json");
+    assert_eq!(rows[0]["count"], 60, "{out}");
+}

@@ -605,3 +605,38 @@ async fn two_gateways_started_together_share_one_server() {
     let rows: Vec<Value> = serde_json::from_str(&out).expect("json");
     assert_eq!(rows[0]["count"], 60, "{out}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn gateway_started_while_clickhouse_is_down_serves_and_delivers_later() {
+    if !clickhouse_or_skip() {
+        return;
+    }
+    let mut ch = ClickHouseServer::start().expect("start clickhouse");
+    let url = ch.url("ts_late");
+    ch.stop();
+    let mock = MockProc::start(&[]);
+    let gw = GatewayProc::start_with_args(
+        Some(&mock.url()),
+        &["--store", &url],
+        &[("TOKENSCOPE_PIPELINE__RETRY_BACKOFF_MAX_MS", "500")],
+    );
+    let target = gw.url("/v1/chat/completions");
+    for i in 0..25 {
+        assert_eq!(
+            one_request(&target, i).await.0,
+            200,
+            "served without a store"
+        );
+    }
+    wait_metrics(&gw, 20, "records spooled", |m| {
+        metric_sum(m, "tokenscope_records_spooled_total") == 25.0
+    })
+    .await;
+    ch.start_again().expect("restart clickhouse");
+    wait_metrics(&gw, 60, "delivered once the server is up", |m| {
+        metric_sum(m, "tokenscope_spool_batches") == 0.0
+            && metric_sum(m, "tokenscope_records_written_total") == 25.0
+    })
+    .await;
+    assert_eq!(counts(&ch, "ts_late.llm_inference_log"), (25, 25));
+}

@@ -251,16 +251,72 @@ fn open_sink(target: &StoreTarget) -> Result<Box<dyn RecordSink>, StoreError> {
     match target {
         StoreTarget::Sqlite(path) => Ok(Box::new(SqliteStore::open(path)?)),
         StoreTarget::ClickHouse(url) => {
-            let store = tokenscope_clickhouse::ClickHouseStore::connect_url(url)?;
+            // A malformed URL is a configuration error: refuse to start.
+            let cfg = tokenscope_clickhouse::ClickHouseConfig::from_url(url)?;
+            let mut sink = LazyClickHouse {
+                cfg,
+                url: redact_url(url),
+                inner: None,
+            };
+            // A server that is down (or refuses us) at startup must not stop the gateway:
+            // records spool until it answers.
+            if let Err(e) = sink.ready() {
+                tracing::warn!(store = %sink.url, error = %e, "ClickHouse is not usable at startup; serving anyway, records go to the spool until it is");
+            }
+            Ok(Box::new(sink))
+        }
+    }
+}
+
+/// The ClickHouse sink, connected (and the schema migrated) on first use and again after a
+/// failed connection, so that a store that is down when the gateway starts only delays the
+/// writes (they wait in the spool).
+struct LazyClickHouse {
+    cfg: tokenscope_clickhouse::ClickHouseConfig,
+    /// Redacted, for logs.
+    url: String,
+    inner: Option<tokenscope_clickhouse::ClickHouseSink>,
+}
+
+impl LazyClickHouse {
+    fn ready(&mut self) -> Result<&mut tokenscope_clickhouse::ClickHouseSink, StoreError> {
+        if self.inner.is_none() {
+            let store = tokenscope_clickhouse::ClickHouseStore::connect(self.cfg.clone())?;
             let version = store.migrate()?;
             tracing::info!(
-                store = %redact_url(url),
+                store = %self.url,
                 server_version = store.server_version(),
                 schema_version = version,
                 "ClickHouse store ready"
             );
-            Ok(Box::new(tokenscope_clickhouse::ClickHouseSink::new(store)))
+            self.inner = Some(tokenscope_clickhouse::ClickHouseSink::new(store));
         }
+        self.inner.as_mut().ok_or_else(|| StoreError::Sink {
+            sink: "clickhouse",
+            class: ErrorClass::Other,
+            message: "not connected".to_owned(),
+        })
+    }
+}
+
+impl RecordSink for LazyClickHouse {
+    fn write_batch(&mut self, batch: &[RequestRecord]) -> Result<(), StoreError> {
+        self.ready()?.write_batch(batch)
+    }
+
+    fn apply_updates(&mut self, updates: &[PhaseUpdate]) -> Result<(), StoreError> {
+        self.ready()?.apply_updates(updates)
+    }
+
+    fn take_unmatched(&mut self, shutting_down: bool) -> tokenscope_store::UnmatchedCounts {
+        self.inner
+            .as_mut()
+            .map(|s| s.take_unmatched(shutting_down))
+            .unwrap_or_default()
+    }
+
+    fn name(&self) -> &'static str {
+        "clickhouse"
     }
 }
 

@@ -32,7 +32,7 @@ fn record(i: u64, now_us: i64) -> RequestRecord {
         request_type: "chat".to_owned(),
         api_key_id: Some(format!("k_{:08x}", i % 300)),
         endpoint: Endpoint::ChatCompletions,
-        stream: i % 4 != 0,
+        stream: !i.is_multiple_of(4),
         http_status: 200,
         outcome: Outcome::Ok,
         error_type: None,
@@ -130,7 +130,10 @@ fn main() {
         }
     };
     let url = if lz4 {
-        format!("{base}{}compression=lz4", if base.contains('?') { '&' } else { '?' })
+        format!(
+            "{base}{}compression=lz4",
+            if base.contains('?') { '&' } else { '?' }
+        )
     } else {
         base
     };
@@ -139,7 +142,11 @@ fn main() {
     println!(
         "server {} ({} dialect), {} cores, lz4 {}",
         store.server_version(),
-        if store.dialect().is_modern() { "modern" } else { "plain" },
+        if store.dialect().is_modern() {
+            "modern"
+        } else {
+            "plain"
+        },
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         lz4
     );

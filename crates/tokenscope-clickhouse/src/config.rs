@@ -201,7 +201,10 @@ impl ClickHouseConfig {
                     }
                     cfg.ttl_days = Some(n);
                 }
-                "timeout_ms" => cfg.request_timeout = parse_ms(&v).ok_or_else(|| bad("timeout_ms must be a positive integer"))?,
+                "timeout_ms" => {
+                    cfg.request_timeout =
+                        parse_ms(&v).ok_or_else(|| bad("timeout_ms must be a positive integer"))?
+                }
                 "connect_timeout_ms" => {
                     cfg.connect_timeout = parse_ms(&v)
                         .ok_or_else(|| bad("connect_timeout_ms must be a positive integer"))?

@@ -24,7 +24,15 @@ pub enum ClickHouseError {
     /// The `clickhouse://` URL is malformed.
     #[error("invalid ClickHouse URL: {0}")]
     InvalidUrl(String),
-    /// The server could not be reached (refused, reset, 5xx, overloaded).
+    /// The connection failed (refused, reset, closed before the answer).
+    #[error("ClickHouse at {addr} unreachable: {message}")]
+    Unreachable {
+        /// `host:port`.
+        addr: String,
+        /// What happened.
+        message: String,
+    },
+    /// The server answered that it cannot serve now (5xx, overloaded).
     #[error("ClickHouse at {addr} unavailable: {message}")]
     Unavailable {
         /// `host:port`.
@@ -105,9 +113,9 @@ impl ClickHouseError {
     /// The store-level class of this error (retry decisions, metrics).
     pub fn class(&self) -> ErrorClass {
         match self {
-            ClickHouseError::Unavailable { .. } | ClickHouseError::Timeout { .. } => {
-                ErrorClass::Unavailable
-            }
+            ClickHouseError::Unreachable { .. }
+            | ClickHouseError::Unavailable { .. }
+            | ClickHouseError::Timeout { .. } => ErrorClass::Unavailable,
             ClickHouseError::Auth { .. } => ErrorClass::Auth,
             ClickHouseError::MissingSchema { .. } | ClickHouseError::SchemaTooNew { .. } => {
                 ErrorClass::Schema
@@ -160,7 +168,7 @@ impl ErrCtx {
     pub fn map(&self, e: clickhouse::error::Error) -> ClickHouseError {
         use clickhouse::error::Error as E;
         match e {
-            E::Network(inner) => ClickHouseError::Unavailable {
+            E::Network(inner) => ClickHouseError::Unreachable {
                 addr: self.addr.clone(),
                 message: self.scrub(&chain(inner.as_ref())),
             },
@@ -250,15 +258,36 @@ mod tests {
                 "Code: 193, e.displayText() = DB::Exception: Wrong password for user ts",
                 ErrorClass::Auth,
             ),
-            ("Code: 192, e.displayText() = DB::Exception: Unknown user x", ErrorClass::Auth),
-            ("Code: 516. DB::Exception: ts: Authentication failed", ErrorClass::Auth),
+            (
+                "Code: 192, e.displayText() = DB::Exception: Unknown user x",
+                ErrorClass::Auth,
+            ),
+            (
+                "Code: 516. DB::Exception: ts: Authentication failed",
+                ErrorClass::Auth,
+            ),
             ("401 Unauthorized", ErrorClass::Auth),
             ("403 Forbidden", ErrorClass::Auth),
-            ("Code: 60, e.displayText() = DB::Exception: Table db.t doesn't exist.", ErrorClass::Schema),
-            ("Code: 81. DB::Exception: Database db does not exist", ErrorClass::Schema),
-            ("Code: 27, e.displayText() = DB::Exception: Cannot parse input", ErrorClass::Rejected),
-            ("Code: 62. DB::Exception: Syntax error", ErrorClass::Rejected),
-            ("Code: 241. DB::Exception: Memory limit (total) exceeded", ErrorClass::Unavailable),
+            (
+                "Code: 60, e.displayText() = DB::Exception: Table db.t doesn't exist.",
+                ErrorClass::Schema,
+            ),
+            (
+                "Code: 81. DB::Exception: Database db does not exist",
+                ErrorClass::Schema,
+            ),
+            (
+                "Code: 27, e.displayText() = DB::Exception: Cannot parse input",
+                ErrorClass::Rejected,
+            ),
+            (
+                "Code: 62. DB::Exception: Syntax error",
+                ErrorClass::Rejected,
+            ),
+            (
+                "Code: 241. DB::Exception: Memory limit (total) exceeded",
+                ErrorClass::Unavailable,
+            ),
             ("503 Service Unavailable", ErrorClass::Unavailable),
             ("Code: 999. DB::Exception: what", ErrorClass::Other),
             ("some proxy page", ErrorClass::Other),
@@ -266,13 +295,20 @@ mod tests {
         for (body, class) in cases {
             assert_eq!(c.classify_response(body).class(), class, "{body}");
         }
-        let e = c.classify_response("Code: 193, e.displayText() = DB::Exception: Wrong password pw123");
+        let e =
+            c.classify_response("Code: 193, e.displayText() = DB::Exception: Wrong password pw123");
         let msg = e.to_string();
-        assert!(msg.starts_with("ClickHouse authentication failed for user ts"), "{msg}");
+        assert!(
+            msg.starts_with("ClickHouse authentication failed for user ts"),
+            "{msg}"
+        );
         assert!(!msg.contains("pw123"), "{msg}");
         let store: StoreError = e.into();
         assert_eq!(store.class(), ErrorClass::Auth);
-        assert!(store.to_string().starts_with("sink clickhouse (auth): "), "{store}");
+        assert!(
+            store.to_string().starts_with("sink clickhouse (auth): "),
+            "{store}"
+        );
         assert_eq!(error_code("Code: 60. x"), Some(60));
         assert_eq!(error_code("no code"), None);
     }

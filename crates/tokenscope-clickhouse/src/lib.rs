@@ -12,6 +12,8 @@
 //!   insert, read back (`FINAL`), stream `TabSeparated` results and sweep old partitions.
 //! * [`sink`] — [`ClickHouseSink`]: the pipeline's [`RecordSink`](tokenscope_store::RecordSink),
 //!   with late engine updates (re-insert with a higher `row_version`) and pending updates.
+//! * [`report`] — `ClickHouseStore::report`: the embedded store's grouped report with exact
+//!   percentiles, computed by the same scanner from a streamed `FINAL` read.
 //! * [`error`] — [`ClickHouseError`] and its [`ErrorClass`](tokenscope_store::ErrorClass).
 //! * `testutil` (feature `test-util`) — real-server harness for tests.
 //!

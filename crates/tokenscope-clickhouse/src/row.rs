@@ -12,9 +12,7 @@
 //! plain `T`, so the layout is the same for both dialects.
 
 use serde::Deserialize;
-use tokenscope_core::{
-    Endpoint, InputBucket, Outcome, PhaseSource, RequestRecord, TokenSource,
-};
+use tokenscope_core::{Endpoint, InputBucket, Outcome, PhaseSource, RequestRecord, TokenSource};
 
 use crate::ClickHouseError;
 

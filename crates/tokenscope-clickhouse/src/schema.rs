@@ -258,7 +258,9 @@ impl Dialect {
         }
         cols.push("row_version UInt64".to_owned());
         if self.skip_index {
-            cols.push("INDEX idx_trace_id trace_id TYPE bloom_filter(0.01) GRANULARITY 4".to_owned());
+            cols.push(
+                "INDEX idx_trace_id trace_id TYPE bloom_filter(0.01) GRANULARITY 4".to_owned(),
+            );
         }
         cols
     }
@@ -456,16 +458,27 @@ mod tests {
             ..node
         };
         let sql = (MIGRATIONS[0].statements)(&d, &on);
-        assert!(sql[0].starts_with("CREATE TABLE IF NOT EXISTS db.llm_inference_log_local ON CLUSTER c2 (\n"));
+        assert!(sql[0].starts_with(
+            "CREATE TABLE IF NOT EXISTS db.llm_inference_log_local ON CLUSTER c2 (\n"
+        ));
         assert_eq!(sql[1], "CREATE TABLE IF NOT EXISTS db.llm_inference_log ON CLUSTER c2 AS db.llm_inference_log_local ENGINE = Distributed(c2, db, llm_inference_log_local, sipHash64(request_id))");
-        assert_eq!(create_database("db", Some("c2")), "CREATE DATABASE IF NOT EXISTS db ON CLUSTER c2");
+        assert_eq!(
+            create_database("db", Some("c2")),
+            "CREATE DATABASE IF NOT EXISTS db ON CLUSTER c2"
+        );
     }
 
     #[test]
     fn insert_columns_follow_the_sqlite_table() {
         let mapped: Vec<&str> = tokenscope_store::sqlite::COLUMNS
             .iter()
-            .map(|c| if *c == "created_at" { "created_at_us" } else { c })
+            .map(|c| {
+                if *c == "created_at" {
+                    "created_at_us"
+                } else {
+                    c
+                }
+            })
             .chain(["row_version"])
             .collect();
         assert_eq!(mapped, INSERT_COLUMNS.to_vec());

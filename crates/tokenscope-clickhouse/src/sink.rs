@@ -70,7 +70,8 @@ impl RecentRows {
             }
             return;
         }
-        self.order.push_back((r.trace_id.clone(), r.request_id.clone()));
+        self.order
+            .push_back((r.trace_id.clone(), r.request_id.clone()));
         rows.push((r, version));
         self.len += 1;
         while self.len > self.capacity {
@@ -96,6 +97,8 @@ pub struct ClickHouseSink {
     cache: RecentRows,
     pending: PendingUpdates,
     lookback: Duration,
+    /// Errors recovered from inside a write (a recreated table), for the pipeline's metrics.
+    recovered: Vec<ClickHouseError>,
 }
 
 impl ClickHouseSink {
@@ -107,6 +110,7 @@ impl ClickHouseSink {
             cache: RecentRows::new(DEFAULT_CACHE_ROWS),
             pending: PendingUpdates::default(),
             lookback: DEFAULT_LOOKBACK,
+            recovered: Vec::new(),
         }
     }
 
@@ -144,8 +148,11 @@ impl ClickHouseSink {
     }
 
     /// Inserts, recreating a missing table once.
-    fn insert_with_repair(&self, rows: &[(RequestRecord, u64)]) -> Result<(), ClickHouseError> {
-        match self.store.insert_versioned(rows.iter().map(|(r, v)| (r, *v))) {
+    fn insert_with_repair(&mut self, rows: &[(RequestRecord, u64)]) -> Result<(), ClickHouseError> {
+        match self
+            .store
+            .insert_versioned(rows.iter().map(|(r, v)| (r, *v)))
+        {
             Err(e) if e.is_missing_schema() => {
                 tracing::warn!(
                     error = %e,
@@ -153,7 +160,10 @@ impl ClickHouseSink {
                     self.store.config().table()
                 );
                 self.store.migrate()?;
-                self.store.insert_versioned(rows.iter().map(|(r, v)| (r, *v)))
+                // Recovered here, but still an error worth counting (see take_recovered).
+                self.recovered.push(e);
+                self.store
+                    .insert_versioned(rows.iter().map(|(r, v)| (r, *v)))
             }
             other => other,
         }
@@ -203,10 +213,14 @@ impl ClickHouseSink {
             match index.get(&u.trace_id) {
                 Some(&i) => merge(&mut merged[i], u.clone()),
                 None => {
-                    let mut m = self.pending.get(&u.trace_id).cloned().unwrap_or_else(|| PhaseUpdate {
-                        trace_id: u.trace_id.clone(),
-                        ..PhaseUpdate::default()
-                    });
+                    let mut m =
+                        self.pending
+                            .get(&u.trace_id)
+                            .cloned()
+                            .unwrap_or_else(|| PhaseUpdate {
+                                trace_id: u.trace_id.clone(),
+                                ..PhaseUpdate::default()
+                            });
                     merge(&mut m, u.clone());
                     index.insert(u.trace_id.clone(), merged.len());
                     merged.push(m);
@@ -303,6 +317,13 @@ impl RecordSink for ClickHouseSink {
 
     fn take_unmatched(&mut self, shutting_down: bool) -> UnmatchedCounts {
         self.unmatched(shutting_down)
+    }
+
+    fn take_recovered(&mut self) -> Vec<StoreError> {
+        std::mem::take(&mut self.recovered)
+            .into_iter()
+            .map(StoreError::from)
+            .collect()
     }
 
     fn name(&self) -> &'static str {

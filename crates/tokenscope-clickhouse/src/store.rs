@@ -28,8 +28,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use clickhouse::{Client, Compression};
 use tokenscope_core::RequestRecord;
-use tokenscope_store::report::{clickhouse_select, ColKind, ReportQuery, ReportRow, ScanValue, Scanner};
-use tokenscope_store::StoreError;
 
 use crate::error::{error_code, ErrCtx};
 use crate::row::{encode_row, LogRow};
@@ -193,12 +191,15 @@ impl ClickHouseStore {
             dialect: Dialect::from_version("0.0")?,
             insert_sql,
         };
-        let version = run_on(
-            &inner.handle,
-            &inner.ctx,
-            inner.cfg.connect_timeout,
-            server_version(inner.client.clone(), inner.ctx.clone()),
-        )?;
+        let version = {
+            let (c, ctx) = (inner.client.clone(), inner.ctx.clone());
+            run_on(
+                &inner.handle,
+                &inner.ctx,
+                inner.cfg.connect_timeout,
+                move || server_version(c.clone(), ctx.clone()),
+            )?
+        };
         inner.dialect = Dialect::from_version(&version)?;
         inner.version = version;
         tracing::info!(
@@ -232,12 +233,44 @@ impl ClickHouseStore {
         self.inner.dialect
     }
 
-    fn run<T, F>(&self, timeout: Duration, f: F) -> Result<T, ClickHouseError>
+    fn run<T, F, M>(&self, timeout: Duration, make: M) -> Result<T, ClickHouseError>
     where
         T: Send + 'static,
         F: Future<Output = Result<T, ClickHouseError>> + Send + 'static,
+        M: Fn() -> F + Send + Sync + 'static,
     {
-        run_on(&self.inner.handle, &self.inner.ctx, timeout, f)
+        run_on(&self.inner.handle, &self.inner.ctx, timeout, make)
+    }
+
+    /// Every row of `sql` (sent verbatim, RowBinary) from `client`.
+    fn fetch_all_on<T>(&self, client: &Client, sql: String) -> Result<Vec<T>, ClickHouseError>
+    where
+        T: clickhouse::RowOwned + clickhouse::RowRead + Send + 'static,
+    {
+        let (c, ctx) = (client.clone(), self.inner.ctx.clone());
+        self.run(self.timeout(), move || {
+            let (c, ctx, sql) = (c.clone(), ctx.clone(), sql.clone());
+            async move {
+                c.query_raw(&sql)
+                    .fetch_all::<T>()
+                    .await
+                    .map_err(|e| ctx.map(e))
+            }
+        })
+    }
+
+    /// The single value of `sql` (e.g. `SELECT count() …`) on the entry node.
+    fn fetch_one<T>(&self, sql: String) -> Result<T, ClickHouseError>
+    where
+        T: clickhouse::RowOwned + clickhouse::RowRead + Send + 'static,
+    {
+        self.fetch_all_on::<T>(&self.inner.client, sql.clone())?
+            .into_iter()
+            .next()
+            .ok_or_else(|| ClickHouseError::Server {
+                code: None,
+                message: format!("no row returned by {sql}"),
+            })
     }
 
     fn timeout(&self) -> Duration {
@@ -259,7 +292,11 @@ impl ClickHouseStore {
         let cfg = &self.inner.cfg;
         let nodes: Vec<(Client, Target, String)> = match (&cfg.cluster, cfg.shards.is_empty()) {
             (None, _) => vec![(self.inner.client.clone(), Target::Single, cfg.http_addr())],
-            (Some(_), true) => vec![(self.inner.client.clone(), Target::OnCluster, cfg.http_addr())],
+            (Some(_), true) => vec![(
+                self.inner.client.clone(),
+                Target::OnCluster,
+                cfg.http_addr(),
+            )],
             (Some(_), false) => cfg
                 .shards
                 .iter()
@@ -272,7 +309,12 @@ impl ClickHouseStore {
         Ok(SCHEMA_VERSION)
     }
 
-    fn migrate_node(&self, client: &Client, target: Target, addr: &str) -> Result<(), ClickHouseError> {
+    fn migrate_node(
+        &self,
+        client: &Client,
+        target: Target,
+        addr: &str,
+    ) -> Result<(), ClickHouseError> {
         let cfg = &self.inner.cfg;
         let db = cfg.database.as_str();
         let (dialect, version) = if addr == cfg.http_addr() {
@@ -282,12 +324,11 @@ impl ClickHouseStore {
                 addr: addr.to_owned(),
                 ..self.inner.ctx.clone()
             };
-            let v = run_on(
-                &self.inner.handle,
-                &ctx,
-                self.timeout(),
-                server_version(client.clone(), ctx.clone()),
-            )?;
+            let c = client.clone();
+            let ctx2 = ctx.clone();
+            let v = run_on(&self.inner.handle, &ctx, self.timeout(), move || {
+                server_version(c.clone(), ctx2.clone())
+            })?;
             (Dialect::from_version(&v)?, v)
         };
         let on_cluster = match target {
@@ -296,17 +337,14 @@ impl ClickHouseStore {
         };
         execute_on(self, client, &create_database(db, on_cluster))?;
         execute_on(self, client, &create_migrations_table(db))?;
-        let found: u32 = {
-            let c = client.clone();
-            let ctx = self.inner.ctx.clone();
-            let sql = format!("SELECT toUInt32(max(version)) FROM {db}.{MIGRATIONS_TABLE}");
-            self.run(self.timeout(), async move {
-                c.query_raw(&sql)
-                    .fetch_one::<u32>()
-                    .await
-                    .map_err(|e| ctx.map(e))
-            })?
-        };
+        let found: u32 = self
+            .fetch_all_on::<u32>(
+                client,
+                format!("SELECT toUInt32(max(version)) FROM {db}.{MIGRATIONS_TABLE}"),
+            )?
+            .into_iter()
+            .next()
+            .unwrap_or(0);
         if found > SCHEMA_VERSION {
             return Err(ClickHouseError::SchemaTooNew {
                 database: db.to_owned(),
@@ -351,11 +389,7 @@ impl ClickHouseStore {
             "SELECT toUInt32(max(version)) FROM {}.{MIGRATIONS_TABLE}",
             self.inner.cfg.database
         );
-        let c = self.inner.client.clone();
-        let ctx = self.inner.ctx.clone();
-        self.run(self.timeout(), async move {
-            c.query_raw(&sql).fetch_one::<u32>().await.map_err(|e| ctx.map(e))
-        })
+        self.fetch_one::<u32>(sql)
     }
 
     /// Inserts `rows` (row version 1) in one RowBinary `INSERT`. Idempotent per
@@ -386,14 +420,17 @@ impl ClickHouseStore {
         let ctx = self.inner.ctx.clone();
         let sql = self.inner.insert_sql.clone();
         let clustered = self.inner.cfg.cluster.is_some();
-        self.run(self.timeout(), async move {
-            let mut ins = client.insert_formatted_with(sql);
-            if clustered {
-                // Wait until every shard has its rows (no local queue on the entry node).
-                ins = ins.with_setting("insert_distributed_sync", "1");
+        self.run(self.timeout(), move || {
+            let (client, ctx, sql, data) = (client.clone(), ctx.clone(), sql.clone(), data.clone());
+            async move {
+                let mut ins = client.insert_formatted_with(sql);
+                if clustered {
+                    // Wait until every shard has its rows (no local queue on the entry node).
+                    ins = ins.with_setting("insert_distributed_sync", "1");
+                }
+                ins.send(data).await.map_err(|e| ctx.map(e))?;
+                ins.end().await.map_err(|e| ctx.map(e))
             }
-            ins.send(data).await.map_err(|e| ctx.map(e))?;
-            ins.end().await.map_err(|e| ctx.map(e))
         })
     }
 
@@ -472,12 +509,10 @@ impl ClickHouseStore {
 
     /// Rows in `llm_inference_log` after deduplication (`FINAL`).
     pub fn count(&self) -> Result<u64, ClickHouseError> {
-        let sql = format!("SELECT count() FROM {} FINAL", self.inner.cfg.table());
-        let c = self.inner.client.clone();
-        let ctx = self.inner.ctx.clone();
-        self.run(self.timeout(), async move {
-            c.query_raw(&sql).fetch_one::<u64>().await.map_err(|e| ctx.map(e))
-        })
+        self.fetch_one::<u64>(format!(
+            "SELECT count() FROM {} FINAL",
+            self.inner.cfg.table()
+        ))
     }
 
     /// The newest version of the record stored under `request_id`, if any.
@@ -525,14 +560,7 @@ impl ClickHouseStore {
     }
 
     fn fetch_rows(&self, sql: String) -> Result<Vec<LogRow>, ClickHouseError> {
-        let c = self.inner.client.clone();
-        let ctx = self.inner.ctx.clone();
-        self.run(self.timeout(), async move {
-            c.query_raw(&sql)
-                .fetch_all::<LogRow>()
-                .await
-                .map_err(|e| ctx.map(e))
-        })
+        self.fetch_all_on::<LogRow>(&self.inner.client, sql)
     }
 
     /// Retention for servers without `TTL` (and a no-op safety net on those with it): drops
@@ -569,14 +597,7 @@ impl ClickHouseStore {
                 quote(db),
                 quote(table)
             );
-            let c = client.clone();
-            let ctx = self.inner.ctx.clone();
-            let parts: Vec<String> = self.run(self.timeout(), async move {
-                c.query_raw(&sql)
-                    .fetch_all::<String>()
-                    .await
-                    .map_err(|e| ctx.map(e))
-            })?;
+            let parts: Vec<String> = self.fetch_all_on::<String>(&client, sql)?;
             for p in parts {
                 let Ok(day) = p.trim_matches('\'').parse::<u32>() else {
                     continue;
@@ -596,110 +617,6 @@ impl ClickHouseStore {
     }
 }
 
-impl ClickHouseStore {
-    /// The grouped report of [`tokenscope_store::report`] over this store: runs the report's
-    /// ClickHouse SELECT ([`clickhouse_select`], `FINAL`), streams the `TabSeparated` result and
-    /// feeds every row to the same [`Scanner`] as the embedded store, so both give identical
-    /// rows for the same records (percentiles are exact over every value, never computed by
-    /// ClickHouse).
-    pub fn report(&self, q: &ReportQuery) -> Result<Vec<ReportRow>, StoreError> {
-        let sel = clickhouse_select(q, &self.inner.cfg.table())?;
-        let mut scanner = Scanner::new(q)?;
-        let kinds = sel.kinds;
-        let mut texts: Vec<Vec<u8>> = vec![Vec::new(); kinds.len()];
-        let mut bad: Option<String> = None;
-        self.for_each_tsv_line(&sel.sql, |line| {
-            let mut fields = line.split(|b| *b == b'\t');
-            let mut parsed: Vec<Option<Parsed>> = Vec::with_capacity(kinds.len());
-            for (i, kind) in kinds.iter().enumerate() {
-                let Some(f) = fields.next() else {
-                    bad = Some(format!("report row with {i} of {} columns", kinds.len()));
-                    return Err(ClickHouseError::Callback("malformed report row".to_owned()));
-                };
-                parsed.push(match parse_field(f, *kind, &mut texts[i]) {
-                    Ok(p) => p,
-                    Err(msg) => {
-                        bad = Some(msg);
-                        return Err(ClickHouseError::Callback("malformed report row".to_owned()));
-                    }
-                });
-            }
-            let row: Vec<ScanValue<'_>> = parsed
-                .iter()
-                .zip(&texts)
-                .map(|(p, t)| match p {
-                    None => ScanValue::Null,
-                    Some(Parsed::Int(i)) => ScanValue::Int(*i),
-                    Some(Parsed::Real(f)) => ScanValue::Real(*f),
-                    Some(Parsed::Text) => ScanValue::Text(t),
-                })
-                .collect();
-            scanner.push(&row);
-            Ok(())
-        })
-        .map_err(|e| match bad.take() {
-            Some(msg) => StoreError::Decode {
-                column: "report",
-                value: msg,
-            },
-            None => e.into(),
-        })?;
-        Ok(scanner.finish_now())
-    }
-}
-
-enum Parsed {
-    Int(i64),
-    Real(f64),
-    /// The unescaped text is in the column's buffer.
-    Text,
-}
-
-/// Decodes one `TabSeparated` field (`\N` is NULL) per its report column kind; text is
-/// unescaped into `buf`.
-fn parse_field(f: &[u8], kind: ColKind, buf: &mut Vec<u8>) -> Result<Option<Parsed>, String> {
-    if f == b"\\N" {
-        return Ok(None);
-    }
-    let text = || String::from_utf8_lossy(f).into_owned();
-    match kind {
-        ColKind::Int => {
-            let s = std::str::from_utf8(f).map_err(|_| text())?;
-            let v = match s.parse::<i64>() {
-                Ok(v) => v,
-                // UInt64 above i64::MAX (token counts never get there): saturate.
-                Err(_) => s.parse::<u64>().map(|_| i64::MAX).map_err(|_| text())?,
-            };
-            Ok(Some(Parsed::Int(v)))
-        }
-        ColKind::Real => {
-            let s = std::str::from_utf8(f).map_err(|_| text())?;
-            s.parse::<f64>().map(|v| Some(Parsed::Real(v))).map_err(|_| text())
-        }
-        ColKind::Text => {
-            buf.clear();
-            let mut it = f.iter();
-            while let Some(&b) = it.next() {
-                if b != b'\\' {
-                    buf.push(b);
-                    continue;
-                }
-                match it.next() {
-                    Some(b'n') => buf.push(b'\n'),
-                    Some(b't') => buf.push(b'\t'),
-                    Some(b'r') => buf.push(b'\r'),
-                    Some(b'0') => buf.push(0),
-                    Some(b'b') => buf.push(8),
-                    Some(b'f') => buf.push(12),
-                    Some(&other) => buf.push(other),
-                    None => buf.push(b'\\'),
-                }
-            }
-            Ok(Some(Parsed::Text))
-        }
-    }
-}
-
 async fn server_version(client: Client, ctx: ErrCtx) -> Result<String, ClickHouseError> {
     client
         .query_raw("SELECT version()")
@@ -708,20 +625,34 @@ async fn server_version(client: Client, ctx: ErrCtx) -> Result<String, ClickHous
         .map_err(|e| ctx.map(e))
 }
 
-fn run_on<T, F>(
+/// Spawns `make()` on the store's runtime and waits for it (bounded by `timeout`). A transport
+/// failure ([`ClickHouseError::Unreachable`]: typically a pooled keep-alive connection the
+/// server closed, e.g. after a restart) is retried once at once — every operation of this
+/// crate is idempotent.
+fn run_on<T, F, M>(
     handle: &tokio::runtime::Handle,
     ctx: &ErrCtx,
     timeout: Duration,
-    f: F,
+    make: M,
 ) -> Result<T, ClickHouseError>
 where
     T: Send + 'static,
     F: Future<Output = Result<T, ClickHouseError>> + Send + 'static,
+    M: Fn() -> F + Send + Sync + 'static,
 {
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
     let addr = ctx.addr.clone();
     handle.spawn(async move {
-        let r = match tokio::time::timeout(timeout, f).await {
+        let attempt = async {
+            match make().await {
+                Err(e @ ClickHouseError::Unreachable { .. }) => {
+                    tracing::debug!(error = %e, "ClickHouse: retrying once on a fresh connection");
+                    make().await
+                }
+                r => r,
+            }
+        };
+        let r = match tokio::time::timeout(timeout, attempt).await {
             Ok(r) => r,
             Err(_) => Err(ClickHouseError::Timeout { addr, timeout }),
         };
@@ -734,8 +665,9 @@ fn execute_on(store: &ClickHouseStore, client: &Client, sql: &str) -> Result<(),
     let c = client.clone();
     let ctx = store.inner.ctx.clone();
     let sql = sql.to_owned();
-    let r = store.run(store.timeout(), async move {
-        c.query_raw(&sql).execute().await.map_err(|e| ctx.map(e))
+    let r = store.run(store.timeout(), move || {
+        let (c, ctx, sql) = (c.clone(), ctx.clone(), sql.clone());
+        async move { c.query_raw(&sql).execute().await.map_err(|e| ctx.map(e)) }
     });
     match r {
         // A concurrent gateway created it first: TABLE_ALREADY_EXISTS (57),
@@ -744,7 +676,9 @@ fn execute_on(store: &ClickHouseStore, client: &Client, sql: &str) -> Result<(),
             code: Some(57 | 82),
             ..
         }) => Ok(()),
-        Err(ClickHouseError::Server { message, .. }) if matches!(error_code(&message), Some(57 | 82)) => {
+        Err(ClickHouseError::Server { message, .. })
+            if matches!(error_code(&message), Some(57 | 82)) =>
+        {
             Ok(())
         }
         other => other,

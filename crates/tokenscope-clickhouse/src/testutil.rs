@@ -133,7 +133,9 @@ impl ServerBuilder {
     /// Starts the server and waits until it answers.
     pub fn start(self) -> Result<ClickHouseServer, HarnessError> {
         let binary = clickhouse_binary().ok_or(HarnessError::NotInstalled)?;
-        let dir = tempfile::Builder::new().prefix("tokenscope-ch-").tempdir()?;
+        let dir = tempfile::Builder::new()
+            .prefix("tokenscope-ch-")
+            .tempdir()?;
         let (http_port, tcp_port) = match self.ports {
             Some(p) => p,
             None => (free_port()?, free_port()?),
@@ -145,7 +147,10 @@ impl ServerBuilder {
                 None => users.push((u, p)),
             }
         }
-        let url_user = users.get(1).map_or("default", |(u, _)| u.as_str()).to_owned();
+        let url_user = users
+            .get(1)
+            .map_or("default", |(u, _)| u.as_str())
+            .to_owned();
         let mut s = ClickHouseServer {
             child: None,
             binary,
@@ -415,23 +420,33 @@ impl ClickHouseServer {
     }
 
     /// Sets `user`'s password (adding the user if new) by rewriting `users.xml`, and waits
-    /// until the server has reloaded it (the new password is accepted; up to 20 s).
+    /// until the server has reloaded it (the new password is accepted; up to 30 s).
     pub fn set_password(&mut self, user: &str, password: &str) {
         match self.users.iter_mut().find(|(u, _)| u == user) {
             Some(slot) => slot.1 = password.to_owned(),
             None => self.users.push((user.to_owned(), password.to_owned())),
         }
-        if let Err(e) = self.write_users() {
-            panic!("rewriting users.xml: {e}");
-        }
-        let deadline = Instant::now() + Duration::from_secs(20);
+        // The server's config reloader compares modification times (second resolution on
+        // 18.x): a rewrite within the same second as the previous one can go unnoticed, so the
+        // file is written again every 2.5 s until the new password works.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut next_write = Instant::now();
         while Instant::now() < deadline {
+            if Instant::now() >= next_write {
+                if let Err(e) = self.write_users() {
+                    panic!("rewriting users.xml: {e}");
+                }
+                next_write = Instant::now() + Duration::from_millis(2500);
+            }
             if self.try_query_as(user, password, "SELECT 1").0 == 200 {
                 return;
             }
             std::thread::sleep(Duration::from_millis(200));
         }
-        panic!("server did not pick up the new password of {user}\n{}", self.log_tail());
+        panic!(
+            "server did not pick up the new password of {user}\n{}",
+            self.log_tail()
+        );
     }
 
     fn signal_group(&self, sig: &str) {

@@ -315,6 +315,13 @@ impl RecordSink for LazyClickHouse {
             .unwrap_or_default()
     }
 
+    fn take_recovered(&mut self) -> Vec<StoreError> {
+        self.inner
+            .as_mut()
+            .map(|s| s.take_recovered())
+            .unwrap_or_default()
+    }
+
     fn name(&self) -> &'static str {
         "clickhouse"
     }

@@ -103,6 +103,12 @@ pub trait RecordSink: Send + 'static {
     fn take_unmatched(&mut self, _shutting_down: bool) -> UnmatchedCounts {
         UnmatchedCounts::default()
     }
+    /// Errors the sink ran into and recovered from by itself since the last call (e.g. a
+    /// dropped table it recreated before writing the batch), so that they still show in the
+    /// error metrics. Default: none.
+    fn take_recovered(&mut self) -> Vec<StoreError> {
+        Vec::new()
+    }
     /// Short name for logs and errors.
     fn name(&self) -> &'static str;
 }
@@ -1263,7 +1269,18 @@ impl Sender {
             Ok(())
         }))
         .unwrap_or(Err(StoreError::SinkPanicked(name)));
+        self.report_recovered();
         res.map(|()| start.elapsed())
+    }
+
+    /// Counts the errors the sink recovered from by itself (metrics; logged by the sink).
+    fn report_recovered(&mut self) {
+        let sink = &mut self.sink;
+        let recovered =
+            catch_unwind(AssertUnwindSafe(|| sink.take_recovered())).unwrap_or_default();
+        for err in recovered {
+            self.link.shared.obs.on_store_error(err.class(), &err);
+        }
     }
 
     /// Without a spool: `1 + retry_attempts` attempts of `op` with exponential backoff; a
@@ -1279,6 +1296,7 @@ impl Sender {
             let start = Instant::now();
             let res = catch_unwind(AssertUnwindSafe(|| op(self.sink.as_mut())))
                 .unwrap_or(Err(StoreError::SinkPanicked(name)));
+            self.report_recovered();
             match res {
                 Ok(()) => return Ok(start.elapsed()),
                 Err(err) => {
@@ -1913,6 +1931,43 @@ mod tests {
         assert_eq!(
             *obs.lost_reasons.lock().expect("reasons"),
             vec![(LossReason::Rejected, 5)]
+        );
+        handle.shutdown(Duration::from_secs(5));
+    }
+
+    #[test]
+    fn errors_the_sink_recovered_from_are_counted() {
+        #[derive(Default)]
+        struct Repairing(u32);
+        impl RecordSink for Repairing {
+            fn write_batch(&mut self, _batch: &[RequestRecord]) -> Result<(), StoreError> {
+                self.0 += 1;
+                Ok(())
+            }
+            fn take_recovered(&mut self) -> Vec<StoreError> {
+                (self.0 == 1)
+                    .then(|| StoreError::Sink {
+                        sink: "repairing",
+                        class: ErrorClass::Schema,
+                        message: "table recreated".to_owned(),
+                    })
+                    .into_iter()
+                    .collect()
+            }
+            fn name(&self) -> &'static str {
+                "repairing"
+            }
+        }
+        let obs = Arc::new(CountingObserver::default());
+        let (rec_tx, handle) =
+            spawn_pipeline(Box::new(Repairing::default()), cfg(10, 1), obs.clone());
+        rec_tx.record(rec(1));
+        rec_tx.record(rec(2));
+        handle.flush();
+        assert_eq!(rec_tx.written(), 2);
+        assert_eq!(
+            *obs.store_errors.lock().expect("errors"),
+            vec![ErrorClass::Schema]
         );
         handle.shutdown(Duration::from_secs(5));
     }

@@ -640,3 +640,43 @@ async fn gateway_started_while_clickhouse_is_down_serves_and_delivers_later() {
     .await;
     assert_eq!(counts(&ch, "ts_late.llm_inference_log"), (25, 25));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retention_days_drop_old_partitions_on_a_server_without_ttl() {
+    if !clickhouse_or_skip() {
+        return;
+    }
+    let ch = ClickHouseServer::start().expect("start clickhouse");
+    let url = format!("{}?ttl_days=2", ch.url("ts_ttl"));
+    // A row from five days ago, written before the gateway starts.
+    let store = tokenscope_clickhouse::ClickHouseStore::connect_url(&url).expect("connect");
+    store.migrate().expect("migrate");
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_micros() as i64;
+    let old = tokenscope_core::RequestRecord {
+        request_id: "old-row".to_owned(),
+        created_at: now_us - 5 * 86_400_000_000,
+        model: "m".to_owned(),
+        ..tokenscope_core::RequestRecord::default()
+    };
+    store.insert(&[old]).expect("insert old row");
+    assert_eq!(counts(&ch, "ts_ttl.llm_inference_log").0, 1);
+
+    let mock = MockProc::start(&[]);
+    let gw = GatewayProc::start_with_args(Some(&mock.url()), &["--store", &url], &[]);
+    assert_eq!(one_request(&gw.url("/v1/chat/completions"), 0).await.0, 200);
+    wait_metrics(&gw, 20, "row written", |m| {
+        metric_sum(m, "tokenscope_records_written_total") == 1.0
+    })
+    .await;
+    // The first write triggers the sweep: only today's row is left.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while counts(&ch, "ts_ttl.llm_inference_log").0 != 1
+        || stored_ids(&ch, "ts_ttl.llm_inference_log").contains("old-row")
+    {
+        assert!(Instant::now() < deadline, "old partition not dropped");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -257,6 +257,7 @@ fn open_sink(target: &StoreTarget) -> Result<Box<dyn RecordSink>, StoreError> {
                 cfg,
                 url: redact_url(url),
                 inner: None,
+                next_sweep: std::time::Instant::now(),
             };
             // A server that is down (or refuses us) at startup must not stop the gateway:
             // records spool until it answers.
@@ -276,9 +277,32 @@ struct LazyClickHouse {
     /// Redacted, for logs.
     url: String,
     inner: Option<tokenscope_clickhouse::ClickHouseSink>,
+    /// When retention (`ttl_days`) is next enforced by dropping old daily partitions (servers
+    /// without `TTL`; a no-op safety net on those with it). Hourly, on the writer thread.
+    next_sweep: std::time::Instant,
 }
 
 impl LazyClickHouse {
+    /// Drops partitions past `ttl_days` once an hour (never fails the write).
+    fn sweep_if_due(&mut self) {
+        let now = std::time::Instant::now();
+        if self.cfg.ttl_days.is_none() || now < self.next_sweep {
+            return;
+        }
+        self.next_sweep = now + Duration::from_secs(3600);
+        if let Some(sink) = self.inner.as_ref() {
+            match sink.store().retention_sweep() {
+                Ok(0) => {}
+                Ok(n) => {
+                    tracing::info!(store = %self.url, partitions = n, "retention: dropped old daily partitions")
+                }
+                Err(e) => {
+                    tracing::warn!(store = %self.url, error = %e, "retention sweep failed; retried in an hour")
+                }
+            }
+        }
+    }
+
     fn ready(&mut self) -> Result<&mut tokenscope_clickhouse::ClickHouseSink, StoreError> {
         if self.inner.is_none() {
             let store = tokenscope_clickhouse::ClickHouseStore::connect(self.cfg.clone())?;
@@ -301,7 +325,9 @@ impl LazyClickHouse {
 
 impl RecordSink for LazyClickHouse {
     fn write_batch(&mut self, batch: &[RequestRecord]) -> Result<(), StoreError> {
-        self.ready()?.write_batch(batch)
+        self.ready()?.write_batch(batch)?;
+        self.sweep_if_due();
+        Ok(())
     }
 
     fn apply_updates(&mut self, updates: &[PhaseUpdate]) -> Result<(), StoreError> {

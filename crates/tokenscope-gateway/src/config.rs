@@ -93,6 +93,9 @@ pub struct PipelineSection {
     pub handoff_batches: usize,
     /// Longest pause between two replay attempts while the store fails (ms).
     pub retry_backoff_max_ms: u64,
+    /// While batches spill to the spool, how long a partial batch keeps filling (ms): fewer,
+    /// larger spool entries replay faster.
+    pub spill_interval_ms: u64,
 }
 
 impl Default for PipelineSection {
@@ -103,6 +106,7 @@ impl Default for PipelineSection {
             flush_interval_ms: 200,
             handoff_batches: 4,
             retry_backoff_max_ms: 5_000,
+            spill_interval_ms: 1_000,
         }
     }
 }

@@ -469,6 +469,11 @@ impl Gateway {
             flush_interval: Duration::from_millis(cfg.pipeline.flush_interval_ms),
             handoff_batches: cfg.pipeline.handoff_batches,
             retry_backoff_max: Duration::from_millis(cfg.pipeline.retry_backoff_max_ms.max(100)),
+            spill_interval: Duration::from_millis(
+                cfg.pipeline
+                    .spill_interval_ms
+                    .max(cfg.pipeline.flush_interval_ms),
+            ),
             ..PipelineConfig::default()
         };
         let observer = Arc::new(MetricsObserver(metrics.clone()));
@@ -572,9 +577,17 @@ impl Gateway {
             let _ = rx.wait_for(|v| *v).await;
         };
         let proxy_task = tokio::spawn(
-            axum::serve(proxy, app)
-                .with_graceful_shutdown(wait(stop_rx.clone()))
-                .into_future(),
+            // TCP_NODELAY on accepted client connections: streamed tokens are small writes that
+            // Nagle's algorithm would otherwise hold until the client's delayed ACK (~40 ms per
+            // event on a keep-alive connection) — the gateway must not add latency.
+            axum::serve(
+                axum::serve::ListenerExt::tap_io(proxy, |tcp| {
+                    let _ = tcp.set_nodelay(true);
+                }),
+                app,
+            )
+            .with_graceful_shutdown(wait(stop_rx.clone()))
+            .into_future(),
         );
         let admin_task = tokio::spawn(
             axum::serve(admin, admin_app)

@@ -215,6 +215,11 @@ pub async fn serve(
         shutdown.await;
         token.cancel();
     };
+    // TCP_NODELAY: SSE events are small writes; without it Nagle's algorithm holds each one
+    // until the client's delayed ACK (~40 ms) on a reused connection.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(signal)
         .await?;

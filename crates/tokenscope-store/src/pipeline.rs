@@ -251,6 +251,10 @@ pub struct PipelineConfig {
     /// Longest pause between two replay attempts while the store fails (default 5 s; the
     /// backoff starts at 100 ms and doubles).
     pub retry_backoff_max: Duration,
+    /// While batches go to the spool, how long a partial batch keeps filling before it is
+    /// spilled (default 1 s; at least `flush_interval`). Larger spool entries replay faster
+    /// (one store insert each); records still in memory are not yet crash-safe.
+    pub spill_interval: Duration,
 }
 
 impl Default for PipelineConfig {
@@ -262,6 +266,7 @@ impl Default for PipelineConfig {
             retry_attempts: 3,
             handoff_batches: 4,
             retry_backoff_max: Duration::from_secs(5),
+            spill_interval: Duration::from_secs(1),
         }
     }
 }
@@ -646,6 +651,7 @@ fn spawn(
         batch: Batch::default(),
         cfg: cfg.clone(),
         link: Arc::clone(&link),
+        started: None,
     };
     let mut sender = Sender {
         jobs: job_rx,
@@ -747,6 +753,15 @@ impl Link {
         // A panic while holding the lock leaves the spool usable (its own state is consistent
         // after every call), so poisoning is ignored.
         self.delivery.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// New batches go to the spool now (store failing, or spool not yet replayed).
+    fn spool_busy(&self) -> bool {
+        if !self.has_spool {
+            return false;
+        }
+        let d = self.lock();
+        !d.healthy || d.spool.as_ref().is_some_and(|s| !s.is_empty())
     }
 
     fn state(&self) -> SpoolState {
@@ -855,6 +870,8 @@ struct Batcher {
     batch: Batch,
     cfg: PipelineConfig,
     link: Arc<Link>,
+    /// When the current batch got its first row.
+    started: Option<Instant>,
 }
 
 impl Batcher {
@@ -870,7 +887,9 @@ impl Batcher {
             match msg {
                 Ok(Msg::Record(rec)) => {
                     if self.batch.is_empty() {
-                        flush_at = Some(Instant::now() + self.cfg.flush_interval);
+                        let now = Instant::now();
+                        self.started = Some(now);
+                        flush_at = Some(now + self.cfg.flush_interval);
                     }
                     self.batch.records.push(*rec);
                     if self.batch.len() >= self.cfg.batch_size {
@@ -880,7 +899,9 @@ impl Batcher {
                 }
                 Ok(Msg::Update(up)) => {
                     if self.batch.is_empty() {
-                        flush_at = Some(Instant::now() + self.cfg.flush_interval);
+                        let now = Instant::now();
+                        self.started = Some(now);
+                        flush_at = Some(now + self.cfg.flush_interval);
                     }
                     self.batch.updates.push(*up);
                     if self.batch.len() >= self.cfg.batch_size {
@@ -902,8 +923,19 @@ impl Batcher {
                     return;
                 }
                 Err(RecvTimeoutError::Timeout) => {
-                    self.deliver(None);
-                    flush_at = None;
+                    // While batches go to the spool (the store is failing or catching up), a
+                    // partial batch keeps filling up to `spill_interval`: every spool entry is
+                    // one insert at replay, so fewer, larger entries replay much faster.
+                    let hold_until = self.started.map(|t| t + self.cfg.spill_interval);
+                    match hold_until {
+                        Some(until) if Instant::now() < until && self.link.spool_busy() => {
+                            flush_at = Some(until);
+                        }
+                        _ => {
+                            self.deliver(None);
+                            flush_at = None;
+                        }
+                    }
                 }
                 Err(RecvTimeoutError::Disconnected) => {
                     let deadline = Instant::now() + Duration::from_secs(5);
@@ -1517,7 +1549,8 @@ mod tests {
                 c.flush_interval,
                 c.retry_attempts,
                 c.handoff_batches,
-                c.retry_backoff_max
+                c.retry_backoff_max,
+                c.spill_interval
             ),
             (
                 65_536,
@@ -1525,7 +1558,8 @@ mod tests {
                 Duration::from_millis(200),
                 3,
                 4,
-                Duration::from_secs(5)
+                Duration::from_secs(5),
+                Duration::from_secs(1)
             )
         );
     }
@@ -1710,6 +1744,7 @@ mod tests {
             retry_attempts: 3,
             handoff_batches: 2,
             retry_backoff_max: Duration::from_millis(200),
+            spill_interval: Duration::from_millis(10),
         }
     }
 
@@ -1969,6 +2004,41 @@ mod tests {
             *obs.store_errors.lock().expect("errors"),
             vec![ErrorClass::Schema]
         );
+        handle.shutdown(Duration::from_secs(5));
+    }
+
+    #[test]
+    fn while_spilling_batches_fill_up_to_the_spill_interval() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let sink = MemSink::default();
+        sink.fail_first.store(u64::MAX, Ordering::SeqCst);
+        let mut c = spool_cfg();
+        c.batch_size = 10_000;
+        c.flush_interval = Duration::from_millis(10);
+        c.spill_interval = Duration::from_millis(400);
+        let (rec_tx, handle) = spawn_pipeline_with_spool(
+            Box::new(sink.clone()),
+            c,
+            spool_at(dir.path(), 1 << 30),
+            Arc::new(NoopObserver),
+        );
+        // The first record's direct write fails; from then on the store is known down.
+        rec_tx.record(rec(0));
+        wait_until("first batch spooled", || handle.spool_state().batches == 1);
+        let t0 = Instant::now();
+        let mut i = 1;
+        while t0.elapsed() < Duration::from_millis(1200) {
+            rec_tx.record(rec(i));
+            i += 1;
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        handle.flush();
+        // ~1.2 s of records at a 10 ms flush interval would be >100 entries; held to 400 ms,
+        // they are a handful.
+        let batches = handle.spool_state().batches;
+        assert!((2..=6).contains(&batches), "{batches} spool entries");
+        sink.fail_first.store(0, Ordering::SeqCst);
+        wait_until("replayed", || rec_tx.written() == i as u64);
         handle.shutdown(Duration::from_secs(5));
     }
 

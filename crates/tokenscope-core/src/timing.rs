@@ -126,6 +126,12 @@ impl StreamTimer {
         (self.token_chunks >= 2).then(|| ms(self.sum_gap) / (self.token_chunks - 1) as f64)
     }
 
+    /// Arrival → the request handed to the upstream (`None` if it never was).
+    pub fn upstream_sent_ms(&self) -> Option<f64> {
+        self.upstream_sent
+            .map(|t| ms(t.saturating_duration_since(self.arrival)))
+    }
+
     /// Arrival → upstream response headers.
     pub fn headers_ms(&self) -> Option<f64> {
         self.headers

@@ -141,6 +141,136 @@ impl Default for SpoolSection {
     }
 }
 
+/// A duration setting: a string with a unit (`"2s"`, `"750ms"`, `"1m"`) or an integer number
+/// of milliseconds.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum DurationSetting {
+    /// Milliseconds.
+    Millis(u64),
+    /// Human-readable, e.g. `2s`.
+    Text(String),
+}
+
+impl DurationSetting {
+    /// The duration, or why the value is not one.
+    pub fn get(&self) -> Result<Duration, String> {
+        match self {
+            DurationSetting::Millis(ms) => Ok(Duration::from_millis(*ms)),
+            DurationSetting::Text(t) => humantime::parse_duration(t.trim()).map_err(|e| {
+                format!("{t:?} is not a duration ({e}); write e.g. \"2s\" or \"750ms\"")
+            }),
+        }
+    }
+}
+
+/// `[tracing]`: one OpenTelemetry trace per request, tail-sampled, exported over OTLP.
+/// Off unless `otlp_endpoint` is set.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracingSection {
+    /// `http://HOST:4318` (OTLP/HTTP) or `http://HOST:4317` (OTLP/gRPC).
+    pub otlp_endpoint: Option<String>,
+    /// `http` (protobuf over HTTP) or `grpc`.
+    pub otlp_protocol: String,
+    /// Fraction of the requests not kept for another reason that are kept anyway.
+    pub sample_ratio: f64,
+    /// Keep every request at least this slow (end to end).
+    pub slow_threshold: Option<DurationSetting>,
+    /// Keep requests above the running P99 of their model and input bucket.
+    pub slow_above_p99: bool,
+    /// Successful requests a (model, input bucket) needs before its P99 is used.
+    pub p99_min_samples: u32,
+    /// `service.name` of the exported spans.
+    pub service_name: String,
+    /// Span budget of the export queue; beyond it spans are dropped and counted.
+    pub queue_spans: usize,
+    /// Spans per export request.
+    pub batch_spans: usize,
+    /// Longest wait to fill an export batch.
+    pub batch_timeout: DurationSetting,
+    /// Time allowed for one batch, retries included.
+    pub export_timeout: DurationSetting,
+    /// Extra export headers (gRPC metadata), e.g. `authorization`.
+    pub headers: std::collections::BTreeMap<String, String>,
+}
+
+impl Default for TracingSection {
+    fn default() -> Self {
+        Self {
+            otlp_endpoint: None,
+            otlp_protocol: "http".into(),
+            sample_ratio: 0.01,
+            slow_threshold: None,
+            slow_above_p99: true,
+            p99_min_samples: 200,
+            service_name: "tokenscope".into(),
+            queue_spans: 16_384,
+            batch_spans: 512,
+            batch_timeout: DurationSetting::Millis(1000),
+            export_timeout: DurationSetting::Millis(10_000),
+            headers: std::collections::BTreeMap::new(),
+        }
+    }
+}
+
+impl TracingSection {
+    /// Whether traces are exported.
+    pub fn enabled(&self) -> bool {
+        self.otlp_endpoint
+            .as_deref()
+            .is_some_and(|e| !e.trim().is_empty())
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(format!("tracing: {m}")));
+        let invalid = |m: String| ConfigError::Invalid(format!("tracing: {m}"));
+        if !(0.0..=1.0).contains(&self.sample_ratio) {
+            return bad(format!(
+                "sample_ratio = {} must be within [0, 1]",
+                self.sample_ratio
+            ));
+        }
+        if let Some(t) = &self.slow_threshold {
+            t.get()
+                .map_err(|e| invalid(format!("slow_threshold: {e}")))?;
+        }
+        self.batch_timeout
+            .get()
+            .map_err(|e| invalid(format!("batch_timeout: {e}")))?;
+        self.export_timeout
+            .get()
+            .map_err(|e| invalid(format!("export_timeout: {e}")))?;
+        if self.queue_spans == 0 || self.batch_spans == 0 {
+            return bad("queue_spans and batch_spans must be > 0".into());
+        }
+        if !matches!(
+            self.otlp_protocol.to_ascii_lowercase().as_str(),
+            "http" | "grpc"
+        ) {
+            return bad(format!(
+                "otlp_protocol = {:?}: use \"http\" or \"grpc\"",
+                self.otlp_protocol
+            ));
+        }
+        if let Some(ep) = self
+            .otlp_endpoint
+            .as_deref()
+            .filter(|e| !e.trim().is_empty())
+        {
+            let uri: http::Uri = ep
+                .parse()
+                .map_err(|e| ConfigError::Invalid(format!("tracing: otlp_endpoint {ep:?}: {e}")))?;
+            if uri.scheme_str() != Some("http") || uri.host().is_none() {
+                return bad(format!(
+                    "otlp_endpoint {ep:?}: expected http://HOST:PORT (https is not supported; send to a local collector)"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// One `[[upstreams]]` entry.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -263,6 +393,8 @@ pub struct GatewayConfig {
     pub spool: SpoolSection,
     /// GPU state (NVML or a DCGM exporter).
     pub gpu: GpuSection,
+    /// OpenTelemetry traces (off unless an OTLP endpoint is set).
+    pub tracing: TracingSection,
     /// Upstream engines, routed by model.
     pub upstreams: Vec<UpstreamConfig>,
     /// Per-model tokenizers for the entry count (`kind = "hf" | "tiktoken" | "engine"`).
@@ -294,6 +426,7 @@ impl Default for GatewayConfig {
             pipeline: PipelineSection::default(),
             spool: SpoolSection::default(),
             gpu: GpuSection::default(),
+            tracing: TracingSection::default(),
             upstreams: Vec::new(),
             tokenizers: Vec::new(),
             token_mismatch_tolerance: 0.02,
@@ -408,6 +541,7 @@ impl GatewayConfig {
                 )));
             }
         }
+        self.tracing.validate()?;
         for k in &self.api_keys {
             if k.key.is_none() && k.key_sha256.is_none() {
                 return Err(ConfigError::Invalid(
@@ -470,7 +604,7 @@ const ENV_KEYS: &[&str] = &[
     "token_mismatch_tolerance",
 ];
 /// Tables whose keys are settable as `TOKENSCOPE_<TABLE>__<KEY>`.
-const ENV_TABLES: &[&str] = &["metrics", "pipeline", "spool", "gpu"];
+const ENV_TABLES: &[&str] = &["metrics", "pipeline", "spool", "gpu", "tracing"];
 
 fn parse_scalar(v: &str) -> toml::Value {
     if let Ok(i) = v.parse::<i64>() {

@@ -24,7 +24,7 @@ pub mod engine;
 mod proxy;
 pub mod recording;
 
-pub use config::{ConfigError, GatewayConfig, UpstreamConfig};
+pub use config::{ConfigError, DurationSetting, GatewayConfig, TracingSection, UpstreamConfig};
 pub use proxy::{REQUEST_ID, TRACE_ID};
 
 use axum::routing::{any, post};
@@ -106,6 +106,113 @@ pub(crate) struct Shared {
     gpu: Option<GpuStateHandle>,
     recorder: Recorder,
     tokenizers: tokenscope_tokenize::Tokenizers,
+    /// Tail sampling and OTLP export (`[tracing]` with an endpoint), else `None`.
+    tracing: Option<Tracing>,
+}
+
+/// The trace side of the gateway: decisions on the request path, export on its own task.
+pub(crate) struct Tracing {
+    sampler: tokenscope_trace::TailSampler,
+    exporter: Arc<tokenscope_trace::TraceExporter>,
+}
+
+/// What the trace of a finished request needs besides its record.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TraceFacts {
+    pub trace: tokenscope_trace::RequestTrace,
+    pub times: tokenscope_trace::SpanTimes,
+}
+
+/// Feeds trace exporter events into the Prometheus metrics.
+struct TraceMetricsObserver(Arc<Metrics>);
+
+impl tokenscope_trace::ExportObserver for TraceMetricsObserver {
+    fn exported(&self, spans: usize) {
+        self.0.trace_spans_exported(spans as u64);
+    }
+    fn dropped(&self, reason: tokenscope_trace::SpanDropReason, spans: usize) {
+        self.0.trace_spans_dropped(reason.as_str(), spans as u64);
+    }
+    fn export_error(&self, kind: &'static str) {
+        self.0.trace_export_error(kind);
+    }
+    fn queue_depth(&self, spans: usize) {
+        self.0.trace_queue_spans(spans);
+    }
+}
+
+/// Starts the exporter for `[tracing]` (on the current runtime), if an endpoint is set.
+fn start_tracing(
+    cfg: &config::TracingSection,
+    metrics: &Arc<Metrics>,
+) -> Result<Option<Tracing>, ConfigError> {
+    let Some(endpoint) = cfg
+        .otlp_endpoint
+        .as_deref()
+        .filter(|e| !e.trim().is_empty())
+    else {
+        return Ok(None);
+    };
+    let invalid = |what: &str, e: String| ConfigError::Invalid(format!("tracing: {what}: {e}"));
+    let protocol: tokenscope_trace::Protocol = cfg
+        .otlp_protocol
+        .parse()
+        .map_err(|e: tokenscope_trace::ExportError| invalid("otlp_protocol", e.to_string()))?;
+    let sampler = tokenscope_trace::TailSampler::new(tokenscope_trace::SamplerConfig {
+        ratio: cfg.sample_ratio,
+        slow_threshold: cfg
+            .slow_threshold
+            .as_ref()
+            .map(DurationSetting::get)
+            .transpose()
+            .map_err(|e| invalid("slow_threshold", e))?,
+        slow_above_p99: cfg.slow_above_p99,
+        p99_min_samples: cfg.p99_min_samples.max(1),
+        ..tokenscope_trace::SamplerConfig::default()
+    });
+    let instance = format!(
+        "{}-{}",
+        std::env::var("HOSTNAME").unwrap_or_else(|_| "tokenscope".into()),
+        std::process::id()
+    );
+    let exporter = tokenscope_trace::TraceExporter::spawn(
+        tokenscope_trace::ExporterConfig {
+            endpoint: endpoint.trim().to_owned(),
+            protocol,
+            queue_spans: cfg.queue_spans,
+            batch_spans: cfg.batch_spans,
+            batch_timeout: cfg
+                .batch_timeout
+                .get()
+                .map_err(|e| invalid("batch_timeout", e))?,
+            export_timeout: cfg
+                .export_timeout
+                .get()
+                .map_err(|e| invalid("export_timeout", e))?,
+            headers: cfg
+                .headers
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            resource: vec![
+                ("service.name".into(), cfg.service_name.clone()),
+                ("service.version".into(), env!("CARGO_PKG_VERSION").into()),
+                ("service.instance.id".into(), instance),
+                ("telemetry.sdk.name".into(), "tokenscope".into()),
+                ("telemetry.sdk.language".into(), "rust".into()),
+            ],
+        },
+        Arc::new(TraceMetricsObserver(metrics.clone())),
+    )
+    .map_err(|e| ConfigError::Invalid(format!("tracing: {e}")))?;
+    metrics.enable_trace_metrics();
+    tracing::info!(
+        endpoint = %redact_url(endpoint),
+        protocol = protocol.as_str(),
+        ratio = cfg.sample_ratio,
+        "Trace export on (tail-sampled)."
+    );
+    Ok(Some(Tracing { sampler, exporter }))
 }
 
 impl Shared {
@@ -136,8 +243,36 @@ impl Shared {
     }
 
     /// Called exactly once per request by [`recording`].
-    fn finish_record(&self, rec: RequestRecord) {
-        self.metrics.observe(&rec);
+    fn finish_record(&self, rec: RequestRecord, trace: TraceFacts) {
+        // Tail sampling first: a kept trace's id becomes the histograms' exemplar.
+        let decision = self.tracing.as_ref().map(|t| {
+            let model_label = self.metrics.model_label(&rec.model);
+            let d = t.sampler.decide(&rec, &model_label, &trace.trace.trace_id);
+            self.metrics.trace_decision(d.kept().map(|r| r.as_str()));
+            d
+        });
+        let kept = decision.and_then(tokenscope_trace::Decision::kept);
+        let user_bucket = self
+            .metrics
+            .observe(&rec, kept.map(|_| rec.trace_id.as_str()));
+        if let (Some(t), Some(reason)) = (self.tracing.as_ref(), kept) {
+            let server = self
+                .upstreams
+                .iter()
+                .find(|u| u.name == rec.upstream)
+                .and_then(|u| Some((u.base.host()?, u.base.port_u16().unwrap_or(80))));
+            let spans = tokenscope_trace::build_spans(
+                &rec,
+                &tokenscope_trace::SpanInput {
+                    trace: &trace.trace,
+                    times: trace.times,
+                    user_bucket: &user_bucket,
+                    server,
+                    reason,
+                },
+            );
+            t.exporter.submit(spans);
+        }
         if self.cfg.recent_records > 0 {
             let mut recent = self.recent.lock();
             if recent.len() >= self.cfg.recent_records {
@@ -445,6 +580,7 @@ impl Gateway {
         .map_err(|e| ConfigError::Invalid(format!("gpu: {e}")))?;
         tokenscope_engine_state::register_metrics(metrics.registry_mut(), &states, gpu.as_ref());
         let metrics = Arc::new(metrics);
+        let tracing = start_tracing(&cfg.tracing, &metrics)?;
         let target = StoreTarget::parse(&cfg.store);
         let store_err = |source: StoreError| GatewayError::Store {
             path: target.display(),
@@ -525,6 +661,7 @@ impl Gateway {
             gpu,
             recorder,
             tokenizers,
+            tracing,
         });
         Ok(Self {
             shared,
@@ -615,6 +752,9 @@ impl Gateway {
             admin_abort.abort();
         }
         // Every record is final now (aborted requests were recorded as cancelled on drop).
+        if let Some(t) = shared.tracing.as_ref() {
+            t.exporter.shutdown(Duration::from_secs(5)).await;
+        }
         drop(shared);
         let store = tokio::task::spawn_blocking(move || match Arc::try_unwrap(pipeline) {
             Ok(p) => p.shutdown(Duration::from_secs(30)),

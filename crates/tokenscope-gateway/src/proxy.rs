@@ -76,36 +76,6 @@ fn valid_request_id(s: &str) -> bool {
     !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic())
 }
 
-/// W3C trace context: continue an incoming `traceparent` or start a new trace.
-/// Returns (trace id, traceparent to send upstream).
-fn trace_context(h: &HeaderMap) -> (String, String) {
-    let incoming = header_str(h, "traceparent").and_then(|tp| {
-        let parts: Vec<&str> = tp.split('-').collect();
-        let ok = parts.len() >= 4
-            && parts[0].len() == 2
-            && parts[1].len() == 32
-            && parts[2].len() == 16
-            && parts[3].len() == 2
-            && parts[1..4]
-                .iter()
-                .all(|p| p.bytes().all(|b| b.is_ascii_hexdigit()))
-            && parts[1].bytes().any(|b| b != b'0');
-        ok.then(|| (parts[1].to_ascii_lowercase(), parts[3].to_owned()))
-    });
-    let span = uuid::Uuid::new_v4().simple().to_string()[..16].to_owned();
-    match incoming {
-        Some((trace, flags)) => {
-            let tp = format!("00-{trace}-{span}-{flags}");
-            (trace, tp)
-        }
-        None => {
-            let trace = uuid::Uuid::new_v4().simple().to_string();
-            let tp = format!("00-{trace}-{span}-01");
-            (trace, tp)
-        }
-    }
-}
-
 /// Builds the upstream URI: base URL (with an optional path prefix) + path and query.
 fn upstream_uri(base: &Uri, original: &Uri) -> Result<Uri, http::Error> {
     let pq = original.path_and_query().map_or("/", |p| p.as_str());
@@ -170,7 +140,9 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     let request_id = header_str(&parts.headers, REQUEST_ID)
         .filter(|s| valid_request_id(s))
         .map_or_else(|| uuid::Uuid::now_v7().to_string(), str::to_owned);
-    let (trace_id, traceparent) = trace_context(&parts.headers);
+    let trace = tokenscope_trace::RequestTrace::start(header_str(&parts.headers, "traceparent"));
+    let trace_id = trace.trace_id_hex();
+    let traceparent = trace.upstream_traceparent();
 
     let rec = RequestRecord {
         request_id: request_id.clone(),
@@ -182,7 +154,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
             .to_owned(),
         ..RequestRecord::default()
     };
-    let mut guard = RecordGuard::new(shared.clone(), rec, arrival);
+    let mut guard = RecordGuard::new(shared.clone(), rec, arrival, trace);
 
     // Attribution that does not need the body.
     if let Some(p) = guard.get() {
@@ -499,26 +471,6 @@ pub(crate) async fn passthrough(State(shared): State<Arc<Shared>>, req: Request)
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn traceparent_is_continued() {
-        let mut h = HeaderMap::new();
-        h.insert(
-            "traceparent",
-            HeaderValue::from_static("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
-        );
-        let (trace, tp) = trace_context(&h);
-        assert_eq!(trace, "4bf92f3577b34da6a3ce929d0e0e4736");
-        assert!(tp.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"));
-        assert!(tp.ends_with("-01"));
-        assert_ne!(
-            &tp[36..52],
-            "00f067aa0ba902b7",
-            "the gateway's own span id is sent"
-        );
-        let (fresh, _) = trace_context(&HeaderMap::new());
-        assert_eq!(fresh.len(), 32);
-    }
 
     #[test]
     fn uri_join() {

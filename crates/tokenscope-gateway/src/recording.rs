@@ -63,6 +63,8 @@ pub(crate) struct Pending {
     /// Streamed output text, kept (capped) only when a tokenizer can count it for a cancelled
     /// stream.
     pub output_text: Option<String>,
+    /// The request's trace ids (W3C context continued or started at arrival).
+    pub trace: tokenscope_trace::RequestTrace,
     in_flight: Option<InFlightGuard>,
 }
 
@@ -70,8 +72,14 @@ pub(crate) struct Pending {
 pub(crate) struct RecordGuard(Option<Box<Pending>>);
 
 impl RecordGuard {
-    pub fn new(shared: Arc<Shared>, rec: RequestRecord, arrival: Instant) -> Self {
+    pub fn new(
+        shared: Arc<Shared>,
+        rec: RequestRecord,
+        arrival: Instant,
+        trace: tokenscope_trace::RequestTrace,
+    ) -> Self {
         RecordGuard(Some(Box::new(Pending {
+            trace,
             shared,
             rec,
             timer: StreamTimer::new(arrival),
@@ -274,6 +282,12 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
     rec.error_type = error_type;
 
     let shared = p.shared;
+    let trace = crate::TraceFacts {
+        trace: p.trace,
+        times: tokenscope_trace::SpanTimes {
+            upstream_sent_ms: p.timer.upstream_sent_ms(),
+        },
+    };
     drop(p.in_flight.take());
     let mut rec = p.rec;
     // Tokenizer work that may still be running: the entry count (started at arrival) and, for a
@@ -296,11 +310,11 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
         .flatten()
         .filter(|t| !t.is_empty() && shared.tokenizers.has(&rec.model));
     if entry.is_none() && count_output.is_none() {
-        shared.finish_record(rec);
+        shared.finish_record(rec, trace);
         return;
     }
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        shared.finish_record(rec);
+        shared.finish_record(rec, trace);
         return;
     };
     rt.spawn(async move {
@@ -319,7 +333,7 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
                 rec.output_tokens_source = TokenSource::Tokenizer;
             }
         }
-        shared.finish_record(rec);
+        shared.finish_record(rec, trace);
     });
 }
 

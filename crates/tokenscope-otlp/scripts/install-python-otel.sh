@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Installs the official OpenTelemetry Python SDK and OTLP/HTTP exporter into a venv used by
-# crates/tokenscope-otlp/tests/otel_python.rs (via tests/emit_spans.py).
+# Installs the official OpenTelemetry Python SDK and OTLP/HTTP + OTLP/gRPC exporters into a venv
+# used by
+#   * crates/tokenscope-otlp/tests/otel_python.rs (via tests/emit_spans.py), and
+#   * the trace export tests of tokenscope-trace / tokenscope-cli, through the independent OTLP
+#     receiver crates/tokenscope-trace/tests/otlp_receiver.py (opentelemetry-proto's generated
+#     classes, grpcio for OTLP/gRPC).
 #
 #   venv: ${TOKENSCOPE_CACHE:-$HOME/.cache/tokenscope}/otel-venv
 #
@@ -19,10 +23,19 @@ check() {
 import sys
 from importlib.metadata import version
 want = sys.argv[1]
-for dist in ("opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"):
+for dist in (
+    "opentelemetry-sdk",
+    "opentelemetry-exporter-otlp-proto-http",
+    "opentelemetry-exporter-otlp-proto-grpc",
+    "opentelemetry-proto",
+):
     if version(dist) != want:
         sys.exit(1)
 import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+import opentelemetry.exporter.otlp.proto.grpc.trace_exporter  # noqa: F401
+import opentelemetry.proto.collector.trace.v1.trace_service_pb2  # noqa: F401
+import opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc  # noqa: F401
+import grpc  # noqa: F401
 import opentelemetry.exporter.otlp.proto.common.trace_encoder  # noqa: F401
 import google.protobuf.json_format  # noqa: F401
 PYEOF
@@ -42,7 +55,8 @@ fi
 "$PY" -m pip install --quiet --disable-pip-version-check \
     "opentelemetry-api==$OTEL_VERSION" \
     "opentelemetry-sdk==$OTEL_VERSION" \
-    "opentelemetry-exporter-otlp-proto-http==$OTEL_VERSION"
+    "opentelemetry-exporter-otlp-proto-http==$OTEL_VERSION" \
+    "opentelemetry-exporter-otlp-proto-grpc==$OTEL_VERSION"
 
 if check; then
     echo "otel venv ready: $VENV (opentelemetry $OTEL_VERSION)"

@@ -21,6 +21,7 @@ pub use labels::{ModelLabeler, UserLabelMode, UserLabeler};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::exemplar::HistogramWithExemplars;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -95,6 +96,27 @@ pub struct KindLabels {
     pub kind: &'static str,
 }
 
+/// The exemplar on request histograms: the trace id of a kept (exported) trace.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TraceExemplar {
+    /// 32 lowercase hex characters.
+    pub trace_id: String,
+}
+
+/// `{decision, reason}` of the tail sampler.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TraceDecisionLabels {
+    /// `kept` or `dropped`.
+    pub decision: &'static str,
+    /// Keep reason (`error`, `cancelled`, `slow`, `slow_p99`, `ratio`) or `none`.
+    pub reason: &'static str,
+}
+
+/// Trace sampler reasons, pre-created at 0 (with `decision="kept"`).
+pub const TRACE_KEEP_REASONS: [&str; 5] = ["error", "cancelled", "slow", "slow_p99", "ratio"];
+/// Span drop reasons of the trace exporter, pre-created at 0.
+pub const SPAN_DROP_REASONS: [&str; 4] = ["queue_full", "export_failed", "rejected", "shutdown"];
+
 /// Drop reasons (before the queue), pre-created at 0.
 pub const DROP_REASONS: [&str; 2] = ["queue_full", "closed"];
 /// Loss reasons (accepted records never stored), pre-created at 0.
@@ -123,7 +145,8 @@ impl Default for MetricsConfig {
     }
 }
 
-type HistFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+type ExemplarHist = HistogramWithExemplars<TraceExemplar>;
+type ExemplarFamily<L> = Family<L, ExemplarHist, fn() -> ExemplarHist>;
 
 /// Every metric tokenscope exposes. Cheap to share behind an `Arc`.
 pub struct Metrics {
@@ -131,9 +154,9 @@ pub struct Metrics {
     models: ModelLabeler,
     request_types: ModelLabeler,
     users: UserLabeler,
-    request_latency: HistFamily<RequestLabels>,
-    ttft: HistFamily<TtftLabels>,
-    tpot: HistFamily<ModelLabels>,
+    request_latency: ExemplarFamily<RequestLabels>,
+    ttft: ExemplarFamily<TtftLabels>,
+    tpot: ExemplarFamily<ModelLabels>,
     tokens: Family<TokenLabels, Counter>,
     requests: Family<RequestLabels, Counter>,
     in_flight: Family<ModelLabels, Gauge>,
@@ -155,6 +178,11 @@ pub struct Metrics {
     upstream_bytes: Counter<u64, AtomicU64>,
     token_mismatch: Family<ModelLabels, Counter>,
     updates_unmatched: Family<UnmatchedLabels, Counter>,
+    traces: Family<TraceDecisionLabels, Counter>,
+    trace_spans_exported: Counter,
+    trace_spans_dropped: Family<ReasonLabels, Counter>,
+    trace_export_errors: Family<KindLabels, Counter>,
+    trace_queue_spans: Gauge<i64, std::sync::atomic::AtomicI64>,
 }
 
 /// `{reason}` for late engine updates that never found their row.
@@ -168,12 +196,13 @@ impl Metrics {
     /// Builds the registry.
     pub fn new(cfg: MetricsConfig) -> Self {
         let mut registry = Registry::default();
-        let request_latency: HistFamily<RequestLabels> =
-            Family::new_with_constructor(|| Histogram::new(LATENCY_BUCKETS));
-        let ttft: HistFamily<TtftLabels> =
-            Family::new_with_constructor(|| Histogram::new(TTFT_BUCKETS));
-        let tpot: HistFamily<ModelLabels> =
-            Family::new_with_constructor(|| Histogram::new(TPOT_BUCKETS));
+        let request_latency: ExemplarFamily<RequestLabels> = Family::new_with_constructor(|| {
+            HistogramWithExemplars::new(LATENCY_BUCKETS.into_iter())
+        });
+        let ttft: ExemplarFamily<TtftLabels> =
+            Family::new_with_constructor(|| HistogramWithExemplars::new(TTFT_BUCKETS.into_iter()));
+        let tpot: ExemplarFamily<ModelLabels> =
+            Family::new_with_constructor(|| HistogramWithExemplars::new(TPOT_BUCKETS.into_iter()));
         let tokens = Family::<TokenLabels, Counter>::default();
         let requests = Family::<RequestLabels, Counter>::default();
         let in_flight = Family::<ModelLabels, Gauge>::default();
@@ -327,6 +356,36 @@ impl Metrics {
             Unit::Bytes,
             upstream_bytes.clone(),
         );
+        let traces = Family::<TraceDecisionLabels, Counter>::default();
+        let trace_spans_exported = Counter::default();
+        let trace_spans_dropped = Family::<ReasonLabels, Counter>::default();
+        let trace_export_errors = Family::<KindLabels, Counter>::default();
+        let trace_queue_spans = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
+        registry.register(
+            "tokenscope_traces",
+            "Finished requests by tail-sampling decision and reason (only while trace export is on)",
+            traces.clone(),
+        );
+        registry.register(
+            "tokenscope_trace_spans_exported",
+            "Spans accepted by the OTLP collector",
+            trace_spans_exported.clone(),
+        );
+        registry.register(
+            "tokenscope_trace_spans_dropped",
+            "Spans of kept traces that were not exported, by reason",
+            trace_spans_dropped.clone(),
+        );
+        registry.register(
+            "tokenscope_trace_export_errors",
+            "Failed OTLP export attempts, by kind (transport, timeout, status_retryable, status_rejected)",
+            trace_export_errors.clone(),
+        );
+        registry.register(
+            "tokenscope_trace_queue_spans",
+            "Spans queued for export or being exported (bounded by tracing.queue_spans)",
+            trace_queue_spans.clone(),
+        );
         // Every drop reason exists from the start, so `rate()` alerts see the first drop.
         for reason in DROP_REASONS {
             let _ = records_dropped.get_or_create(&ReasonLabels { reason });
@@ -366,6 +425,11 @@ impl Metrics {
             upstream_bytes,
             token_mismatch,
             updates_unmatched,
+            traces,
+            trace_spans_exported,
+            trace_spans_dropped,
+            trace_export_errors,
+            trace_queue_spans,
         }
     }
 
@@ -387,8 +451,76 @@ impl Metrics {
         InFlightGuard { gauge }
     }
 
-    /// Records a finished request in every request-level metric.
-    pub fn observe(&self, rec: &RequestRecord) {
+    /// Pre-creates the trace metrics at 0 (called when trace export is turned on, so that
+    /// they are absent when it is off).
+    pub fn enable_trace_metrics(&self) {
+        for reason in TRACE_KEEP_REASONS {
+            let _ = self.traces.get_or_create(&TraceDecisionLabels {
+                decision: "kept",
+                reason,
+            });
+        }
+        let _ = self.traces.get_or_create(&TraceDecisionLabels {
+            decision: "dropped",
+            reason: "none",
+        });
+        for reason in SPAN_DROP_REASONS {
+            let _ = self
+                .trace_spans_dropped
+                .get_or_create(&ReasonLabels { reason });
+        }
+    }
+
+    /// One tail-sampling decision (`reason` `None` = dropped).
+    pub fn trace_decision(&self, reason: Option<&'static str>) {
+        let labels = match reason {
+            Some(reason) => TraceDecisionLabels {
+                decision: "kept",
+                reason,
+            },
+            None => TraceDecisionLabels {
+                decision: "dropped",
+                reason: "none",
+            },
+        };
+        self.traces.get_or_create(&labels).inc();
+    }
+
+    /// Spans accepted by the collector.
+    pub fn trace_spans_exported(&self, n: u64) {
+        self.trace_spans_exported.inc_by(n);
+    }
+
+    /// Spans of kept traces given up.
+    pub fn trace_spans_dropped(&self, reason: &'static str, n: u64) {
+        self.trace_spans_dropped
+            .get_or_create(&ReasonLabels { reason })
+            .inc_by(n);
+    }
+
+    /// One failed export attempt.
+    pub fn trace_export_error(&self, kind: &'static str) {
+        self.trace_export_errors
+            .get_or_create(&KindLabels { kind })
+            .inc();
+    }
+
+    /// Spans queued or being exported.
+    pub fn trace_queue_spans(&self, n: usize) {
+        self.trace_queue_spans
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    /// Records a finished request in every request-level metric. `trace_id` is the request's
+    /// trace id when its trace is kept: it becomes the exemplar of the latency, TTFT and TPOT
+    /// observations. Returns the user's bucket label (as used on `llm_tokens_total`).
+    pub fn observe(&self, rec: &RequestRecord, trace_id: Option<&str>) -> String {
+        let exemplar = || {
+            trace_id.map(|t| TraceExemplar {
+                trace_id: t.to_owned(),
+            })
+        };
+        let now = trace_id.map(|_| std::time::SystemTime::now());
         let model = self.models.label(&rec.model);
         let request_type = self.request_types.label(&rec.request_type);
         let status = rec.outcome.as_str();
@@ -397,9 +529,11 @@ impl Metrics {
             request_type,
             status,
         };
-        self.request_latency
-            .get_or_create(&req)
-            .observe(rec.total_duration_ms / 1000.0);
+        self.request_latency.get_or_create(&req).observe(
+            rec.total_duration_ms / 1000.0,
+            exemplar(),
+            now,
+        );
         self.requests.get_or_create(&req).inc();
         if let Some(ttft) = rec.ttft_ms {
             self.ttft
@@ -407,14 +541,14 @@ impl Metrics {
                     model: model.clone(),
                     input_bucket: rec.input_bucket.map_or("unknown", |b| b.as_str()),
                 })
-                .observe(ttft / 1000.0);
+                .observe(ttft / 1000.0, exemplar(), now);
         }
         if let Some(tpot) = rec.tpot_ms {
             self.tpot
                 .get_or_create(&ModelLabels {
                     model: model.clone(),
                 })
-                .observe(tpot / 1000.0);
+                .observe(tpot / 1000.0, exemplar(), now);
         }
         let user_bucket = self.users.label(
             rec.user_id.as_deref(),
@@ -438,6 +572,7 @@ impl Metrics {
         if let Some(o) = rec.gateway_overhead_ms {
             self.gateway_overhead.observe(o / 1000.0);
         }
+        user_bucket
     }
 
     /// The entry tokenizer count of a request disagreed with the engine's usage.
@@ -654,8 +789,8 @@ mod tests {
                 .encode()
                 .contains("llm_requests_in_flight{model=\"m1\"} 1"));
         }
-        m.observe(&rec("m1", Outcome::Ok));
-        m.observe(&rec("m1", Outcome::Timeout));
+        m.observe(&rec("m1", Outcome::Ok), None);
+        m.observe(&rec("m1", Outcome::Timeout), None);
         let text = m.encode();
         assert!(
             text.contains("llm_requests_in_flight{model=\"m1\"} 0"),
@@ -676,7 +811,7 @@ mod tests {
     #[test]
     fn prometheus_text_conversion() {
         let m = Metrics::new(MetricsConfig::default());
-        m.observe(&rec("m1", Outcome::Ok));
+        m.observe(&rec("m1", Outcome::Ok), None);
         let text = m.encode_prometheus_text();
         assert!(text.contains("# TYPE llm_requests_total counter\n"));
         assert!(text.contains("# HELP llm_requests_total "));
@@ -692,13 +827,51 @@ mod tests {
     }
 
     #[test]
+    fn kept_traces_become_exemplars() {
+        let m = Metrics::new(MetricsConfig::default());
+        m.enable_trace_metrics();
+        m.observe(&rec("m1", Outcome::Ok), None);
+        let tid = "4bf92f3577b34da6a3ce929d0e0e4736";
+        m.observe(&rec("m1", Outcome::Ok), Some(tid));
+        m.trace_decision(Some("slow"));
+        m.trace_decision(None);
+        let text = m.encode();
+        let ex = format!("# {{trace_id=\"{tid}\"}}");
+        for family in [
+            "llm_request_latency_seconds_bucket",
+            "llm_ttft_seconds_bucket",
+            "llm_tpot_seconds_bucket",
+        ] {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(family) && l.contains(&ex))
+                .unwrap_or_else(|| panic!("no exemplar on {family}: {text}"));
+            // The exemplar sits on the bucket the value fell in: value within the bucket's bound.
+            let value: f64 = line
+                .rsplit(' ')
+                .nth(1)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("exemplar value with timestamp: {line}"));
+            assert!(value > 0.0, "{line}");
+        }
+        assert!(
+            text.contains("tokenscope_traces_total{decision=\"kept\",reason=\"slow\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("tokenscope_traces_total{decision=\"dropped\",reason=\"none\"} 1"));
+        assert!(text.contains("tokenscope_trace_spans_dropped_total{reason=\"queue_full\"} 0"));
+        // The classic format drops exemplars.
+        assert!(!m.encode_prometheus_text().contains("trace_id"));
+    }
+
+    #[test]
     fn models_beyond_limit_become_other() {
         let m = Metrics::new(MetricsConfig {
             max_models: 2,
             ..MetricsConfig::default()
         });
         for name in ["a", "b", "c", "d"] {
-            m.observe(&rec(name, Outcome::Ok));
+            m.observe(&rec(name, Outcome::Ok), None);
         }
         let text = m.encode();
         assert!(text.contains("model=\"a\""));

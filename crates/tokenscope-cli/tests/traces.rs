@@ -181,8 +181,13 @@ async fn span_tree(protocol: &str) {
             "{phase} starts where the previous phase ended"
         );
         let pe = p["end_ns"].as_u64().expect("end");
-        let want = ((ps as f64) + d * 1e6).min(end as f64);
-        assert!((pe as f64 - want).abs() <= 1.0, "{phase}: {pe} vs {want}");
+        // Relative to the root's start (absolute nanoseconds do not fit an f64 exactly).
+        let want = ((ps - start) as f64 + d * 1e6).min((end - start) as f64);
+        let got = (pe - start) as f64;
+        assert!(
+            (got - want).abs() <= 2.0,
+            "{phase}: ends at +{got} ns, want +{want} ns"
+        );
         cursor = pe;
     }
 
@@ -590,4 +595,52 @@ async fn exporter_down_does_not_slow_requests_and_memory_stays_bounded() {
             "rss grew from {rss_before} to {rss_after} KiB"
         );
     }
+}
+
+/// Graceful shutdown exports the spans still queued (here a batch that would otherwise wait
+/// 60 s to fill).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_flushes_queued_spans() {
+    let Some(rx) = receiver("http", &[]) else {
+        return;
+    };
+    let mock = MockProc::start(&[]);
+    let gw = GatewayProc::start_with_args(
+        Some(&mock.url()),
+        &[
+            "--otlp-endpoint",
+            &rx.endpoint(),
+            "--trace-sample-ratio",
+            "1",
+        ],
+        &[("TOKENSCOPE_TRACING__BATCH_TIMEOUT", "60s")],
+    );
+    let (status, headers, _) = post_json(
+        &gw.url("/v1/chat/completions"),
+        &json!({"model": "mock-llama", "messages": [{"role": "user", "content": "bye"}]}),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let trace = headers
+        .get("x-tokenscope-trace-id")
+        .and_then(|v| v.to_str().ok())
+        .expect("trace id")
+        .to_owned();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        of_trace(&rx.spans(), &trace).is_empty(),
+        "batch still filling"
+    );
+    let started = Instant::now();
+    let _ = gw.stop();
+    let spans = rx.wait_for_spans(
+        |all| !of_trace(all, &trace).is_empty(),
+        Duration::from_secs(5),
+    );
+    assert!(
+        of_trace(&spans, &trace).len() >= 2,
+        "spans exported at shutdown ({:?} after SIGTERM)",
+        started.elapsed()
+    );
 }

@@ -1,0 +1,4 @@
+//! Shared test helpers.
+#![allow(dead_code)]
+
+pub mod receiver;

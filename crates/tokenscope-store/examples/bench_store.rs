@@ -47,6 +47,7 @@ struct Args {
     reuse: bool,
     drop_index: Vec<String>,
     pragma: Vec<String>,
+    exec: Vec<String>,
     update_every: u64,
 }
 
@@ -61,6 +62,7 @@ fn parse_args() -> Result<Args, String> {
         reuse: false,
         drop_index: Vec::new(),
         pragma: Vec::new(),
+        exec: Vec::new(),
         update_every: 10,
     };
     let mut it = std::env::args().skip(1);
@@ -82,6 +84,7 @@ fn parse_args() -> Result<Args, String> {
             "--update-every" => a.update_every = num(val()?)?,
             "--drop-index" => a.drop_index.push(val()?),
             "--pragma" => a.pragma.push(val()?),
+            "--exec" => a.exec.push(val()?),
             "-h" | "--help" => {
                 return Err(
                     "usage: bench_store [--rows N] [--batch N] [--days N] [--db PATH] \
@@ -318,6 +321,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     for p in &args.pragma {
         store.conn().execute_batch(&format!("PRAGMA {p}"))?;
         println!("PRAGMA {p}");
+    }
+    for sql in &args.exec {
+        store.conn().execute_batch(sql)?;
+        println!("exec {sql}");
     }
     if args.reuse {
         // Reports only, over the existing rows: the range must cover them.

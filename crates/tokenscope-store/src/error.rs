@@ -19,13 +19,13 @@ pub enum StoreError {
     /// A read-only open found an older schema than this build reads; opening it read-write
     /// once (e.g. starting the gateway) migrates it.
     #[error(
-        "database schema version {found} is older than this build reads ({expected}); open it \
-         read-write once (start the gateway on it) to migrate it"
+        "database schema version {found} is older than this build reads (at least {expected}); \
+         open it read-write once (start the gateway on it) to migrate it"
     )]
     SchemaTooOld {
         /// `PRAGMA user_version` found in the file.
         found: u32,
-        /// The schema version this build reads.
+        /// The oldest schema version this build reads.
         expected: u32,
     },
     /// A read-only open found no tokenscope schema in the file.

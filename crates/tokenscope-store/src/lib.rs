@@ -32,6 +32,7 @@ pub mod pipeline;
 pub mod report;
 pub mod spool;
 pub mod sqlite;
+pub mod trace_rows;
 
 pub use error::{ErrorClass, StoreError};
 pub use pending::{PendingUpdates, UnmatchedCounts, UnmatchedReason};

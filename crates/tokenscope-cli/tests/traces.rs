@@ -427,7 +427,11 @@ async fn tail_sampling_keeps_all_errors_and_slow_and_the_ratio_of_the_rest() {
             e.1 += 1;
             let reason = root["attributes"]["tokenscope.sample.reason"].as_str();
             match kind {
-                Kind::Error => assert_eq!(reason, Some("error")),
+                Kind::Error => {
+                    assert_eq!(reason, Some("error"));
+                    assert!(root["attributes"]["error.type"].is_string(), "{root}");
+                    assert_eq!(root["status_code"], 2, "span status ERROR");
+                }
                 Kind::Slow => assert_eq!(reason, Some("slow")),
                 Kind::Normal => assert_eq!(reason, Some("ratio")),
             }
@@ -642,5 +646,69 @@ async fn shutdown_flushes_queued_spans() {
         of_trace(&spans, &trace).len() >= 2,
         "spans exported at shutdown ({:?} after SIGTERM)",
         started.elapsed()
+    );
+}
+
+/// A client that goes away mid-stream: the request is recorded `cancelled` and its trace is
+/// kept (reason `cancelled`, status ERROR) even with a ratio of 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_requests_are_always_kept() {
+    let Some(rx) = receiver("http", &[]) else {
+        return;
+    };
+    let mock = MockProc::start(&["--time-scale", "1"]);
+    let gw = gateway(
+        &mock.url(),
+        &rx.endpoint(),
+        "http",
+        &[("TOKENSCOPE_TRACING__SAMPLE_RATIO", "0")],
+    );
+    let s = stream(
+        &gw.url("/v1/chat/completions"),
+        &json!({"model": "mock-llama", "stream": true, "max_tokens": 200,
+                "messages": [{"role": "user", "content": "a long answer please"}]}),
+        &[],
+        Some(2),
+    )
+    .await;
+    let trace = s
+        .headers
+        .get("x-tokenscope-trace-id")
+        .and_then(|v| v.to_str().ok())
+        .expect("trace id")
+        .to_owned();
+    let spans = rx.wait_for_spans(
+        |all| !of_trace(all, &trace).is_empty(),
+        Duration::from_secs(20),
+    );
+    let mine = of_trace(&spans, &trace);
+    let root = by_name(&mine, "chat mock-llama");
+    assert_eq!(root["attributes"]["tokenscope.sample.reason"], "cancelled");
+    assert_eq!(root["attributes"]["tokenscope.outcome"], "cancelled");
+    assert_eq!(root["status_code"], 2);
+    // An ordinary request with ratio 0 is not exported.
+    let (status, headers, _) = post_json(
+        &gw.url("/v1/chat/completions"),
+        &json!({"model": "mock-llama", "max_tokens": 2,
+                "messages": [{"role": "user", "content": "short"}]}),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let ordinary = headers
+        .get("x-tokenscope-trace-id")
+        .and_then(|v| v.to_str().ok())
+        .expect("trace id")
+        .to_owned();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(of_trace(&rx.spans(), &ordinary).is_empty());
+    let m = gw.metrics().await;
+    assert_eq!(
+        common::metric_where(
+            &m,
+            "tokenscope_traces_total",
+            &[("decision", "kept"), ("reason", "cancelled")]
+        ),
+        1.0
     );
 }

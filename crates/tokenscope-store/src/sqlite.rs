@@ -1189,7 +1189,10 @@ pub(crate) mod tests {
     /// statement seeks the time index.
     fn assert_v4_indexes(conn: &Connection) {
         let plan = query_plan(conn, UPDATE_SQL);
-        assert!(plan.contains("idx_log_created_at (created_at>? AND created_at<?)"), "{plan}");
+        assert!(
+            plan.contains("idx_log_created_at (created_at>? AND created_at<?)"),
+            "{plan}"
+        );
         let names: Vec<String> = conn
             .prepare("SELECT name FROM sqlite_master WHERE type = 'index' ORDER BY name")
             .expect("prepare")
@@ -1619,7 +1622,10 @@ pub(crate) mod tests {
         );
         // The plan range-scans the covering time index (user_id is in it): no table row read.
         let plan = query_plan(store.conn(), SQL_USER_TOKENS_PER_DAY);
-        assert!(plan.contains("USING COVERING INDEX idx_log_created_at"), "{plan}");
+        assert!(
+            plan.contains("USING COVERING INDEX idx_log_created_at"),
+            "{plan}"
+        );
     }
 
     #[test]
@@ -1664,7 +1670,10 @@ pub(crate) mod tests {
             ]
         );
         let plan = query_plan(store.conn(), SQL_MEAN_TTFT_BY_BUCKET);
-        assert!(plan.contains("USING COVERING INDEX idx_log_created_at"), "{plan}");
+        assert!(
+            plan.contains("USING COVERING INDEX idx_log_created_at"),
+            "{plan}"
+        );
     }
 
     fn query_plan(conn: &Connection, sql: &str) -> String {

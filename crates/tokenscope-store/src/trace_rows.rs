@@ -137,7 +137,11 @@ mod tests {
         assert_eq!(m.range("not-hex-trace"), Some((7, 7)));
         m.note("00000000000000000000000000000001", 9);
         assert_eq!(m.len(), 2);
-        assert_eq!(m.range("4bf92f3577b34da6a3ce929d0e0e4736"), None, "oldest evicted");
+        assert_eq!(
+            m.range("4bf92f3577b34da6a3ce929d0e0e4736"),
+            None,
+            "oldest evicted"
+        );
         m.note("", 1);
         assert_eq!(m.len(), 2);
         m.set_capacity(1);

@@ -337,6 +337,7 @@ mod tests {
             input_tokens: Some(120),
             output_tokens: Some(40),
             cached_tokens: Some(100),
+            reasoning_tokens: Some(8),
             input_tokens_source: TokenSource::Usage,
             output_tokens_source: TokenSource::Usage,
             input_bucket: Some(InputBucket::of(120)),
@@ -389,6 +390,10 @@ mod tests {
         assert_eq!(
             attr(root, "gen_ai.usage.input_tokens"),
             Some(&Value::IntValue(120))
+        );
+        assert_eq!(
+            attr(root, "gen_ai.usage.reasoning.output_tokens"),
+            Some(&Value::IntValue(8))
         );
         assert_eq!(
             attr(root, "gen_ai.usage.cache_read.input_tokens"),

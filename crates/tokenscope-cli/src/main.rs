@@ -3,6 +3,7 @@
 //! This binary is glue: argument parsing, logging, signals, and wiring of the library crates.
 //! `anyhow` is used here only.
 
+mod analyze;
 mod demo;
 mod duration;
 
@@ -34,6 +35,20 @@ enum Cmd {
     MockEngine(MockArgs),
     /// Mock engine + gateway + mixed traffic, then print the report.
     Demo(demo::DemoArgs),
+    /// Tokens and cost by business line, tenant, user, model, request type, with trends.
+    Cost(analyze::cost::CostArgs),
+    /// Budgets per business line: status, projected exhaustion, abnormal growth.
+    Budget(analyze::budget::BudgetArgs),
+    /// Token spikes, request loops, duplicate bursts and sudden drops, per caller.
+    Anomalies(analyze::anomalies::AnomaliesArgs),
+    /// Duplicate prompts, truncated or overlong outputs, bloated prompts; estimated saving.
+    Waste(analyze::waste::WasteArgs),
+    /// Walk the decision tree: success rate, TTFT, TPOT, tokens, network; verdict + remedies.
+    Diagnose(analyze::diagnose::DiagnoseArgs),
+    /// The load knee (sustainable QPS under the SLO) and when growth reaches it.
+    Capacity(analyze::capacity::CapacityArgs),
+    /// Export configuration for other systems (`prometheus-rules`).
+    Export(analyze::rules::ExportArgs),
 }
 
 #[derive(Args)]
@@ -322,5 +337,12 @@ fn main() -> Result<()> {
         Cmd::Report(a) => report(a),
         Cmd::MockEngine(a) => rt.block_on(mock_engine(a)),
         Cmd::Demo(a) => rt.block_on(demo::run(a)),
+        Cmd::Cost(a) => analyze::cost::run(a),
+        Cmd::Budget(a) => analyze::budget::run(a),
+        Cmd::Anomalies(a) => analyze::anomalies::run(a),
+        Cmd::Waste(a) => analyze::waste::run(a),
+        Cmd::Diagnose(a) => analyze::diagnose::run(a),
+        Cmd::Capacity(a) => analyze::capacity::run(a),
+        Cmd::Export(a) => analyze::rules::run(a),
     }
 }

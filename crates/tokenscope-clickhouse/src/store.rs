@@ -535,6 +535,28 @@ impl ClickHouseStore {
         rows.into_iter().next().map(LogRow::into_record).transpose()
     }
 
+    /// Every record (newest version, `FINAL`) created in `[since_us, until_us)` (epoch µs),
+    /// ordered by `created_at` then `request_id` — the input of the analysis commands, the
+    /// same rows in the same order as [`SqliteStore::records_between`]
+    /// (tokenscope_store::SqliteStore) returns for the same records.
+    pub fn records_between(
+        &self,
+        since_us: i64,
+        until_us: i64,
+    ) -> Result<Vec<RequestRecord>, ClickHouseError> {
+        let sql = format!(
+            "SELECT {} FROM {} FINAL WHERE toYYYYMMDD(created_at) >= {} AND toYYYYMMDD(created_at) <= {} AND created_at_us >= {since_us} AND created_at_us < {until_us} ORDER BY created_at_us, request_id",
+            INSERT_COLUMNS.join(", "),
+            self.inner.cfg.table(),
+            utc_day(since_us),
+            utc_day(until_us),
+        );
+        self.fetch_rows(sql)?
+            .into_iter()
+            .map(|row| row.into_record().map(|(r, _version)| r))
+            .collect()
+    }
+
     /// Every row (newest version, `FINAL`) whose `trace_id` is one of `trace_ids` and which was
     /// created at or after `since_us` (epoch µs; bounds the scan to recent daily partitions).
     pub fn rows_by_trace(

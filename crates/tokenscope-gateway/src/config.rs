@@ -404,6 +404,8 @@ pub struct GatewayConfig {
     pub token_mismatch_tolerance: f64,
     /// API key → tenant / business line.
     pub api_keys: Vec<ApiKeyConfig>,
+    /// Prices per model (`[[prices]]`): token prices, or a GPU cost per hour.
+    pub prices: Vec<tokenscope_analysis::ModelPrice>,
 }
 
 impl Default for GatewayConfig {
@@ -431,6 +433,7 @@ impl Default for GatewayConfig {
             tokenizers: Vec::new(),
             token_mismatch_tolerance: 0.02,
             api_keys: Vec::new(),
+            prices: Vec::new(),
         }
     }
 }

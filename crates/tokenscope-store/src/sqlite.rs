@@ -563,6 +563,24 @@ impl SqliteStore {
         Ok(stmt.query_row([request_id], record_from_row).optional()?)
     }
 
+    /// Every record created in `[since_us, until_us)` (epoch µs), ordered by `created_at`
+    /// then `request_id` — the input of the analysis commands (the ClickHouse store returns
+    /// the same rows in the same order).
+    pub fn records_between(
+        &self,
+        since_us: i64,
+        until_us: i64,
+    ) -> Result<Vec<RequestRecord>, StoreError> {
+        let sql = format!(
+            "SELECT {} FROM {TABLE} WHERE created_at >= ?1 AND created_at < ?2 \
+             ORDER BY created_at, request_id",
+            COLUMNS.join(", ")
+        );
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let rows = stmt.query_map([since_us, until_us], record_from_row)?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    }
+
     /// Number of stored rows.
     pub fn count(&self) -> Result<u64, StoreError> {
         let n: i64 = self

@@ -1,0 +1,115 @@
+//! # tokenscope-analysis
+//!
+//! Answers computed from the per-request records: every analysis is a pure function of a
+//! slice of [`RequestRecord`]s (loaded from the embedded store or ClickHouse by the CLI, in
+//! `created_at`, `request_id` order) and its options, returning a typed report that
+//! serialises to JSON and renders as a table, with the evidence behind each conclusion.
+//!
+//! * [`prices`] — the price table (per-model token prices, or a GPU hourly cost turned into a
+//!   per-token cost from measured throughput) and the cost of a record.
+//!
+//! Invariants:
+//! * No I/O and no clock: the window and "now" are arguments, so the same records give the
+//!   same answers on every store and in tests.
+//! * Every number in a report is recomputable from the records it names.
+#![deny(missing_docs)]
+
+pub mod prices;
+
+pub use prices::{ModelPrice, PriceTable};
+use serde::Serialize;
+use tokenscope_core::RequestRecord;
+
+/// The time range analysed: `[since_us, until_us)`, epoch microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Window {
+    /// Start, inclusive.
+    pub since_us: i64,
+    /// End, exclusive.
+    pub until_us: i64,
+}
+
+impl Window {
+    /// Length in seconds (at least 1 µs).
+    pub fn seconds(&self) -> f64 {
+        ((self.until_us - self.since_us).max(1)) as f64 / 1e6
+    }
+
+    /// The window of the same length just before this one (for trends).
+    pub fn previous(&self) -> Window {
+        let len = self.until_us - self.since_us;
+        Window {
+            since_us: self.since_us - len,
+            until_us: self.since_us,
+        }
+    }
+
+    /// Whether `t_us` lies in the window.
+    pub fn contains(&self, t_us: i64) -> bool {
+        t_us >= self.since_us && t_us < self.until_us
+    }
+}
+
+/// Output format of the analysis commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Format {
+    /// A readable table (default).
+    #[default]
+    Table,
+    /// JSON for machines.
+    Json,
+}
+
+impl std::str::FromStr for Format {
+    type Err = AnalysisError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "table" => Ok(Format::Table),
+            "json" => Ok(Format::Json),
+            other => Err(AnalysisError::InvalidOption(format!(
+                "format {other:?}: use table or json"
+            ))),
+        }
+    }
+}
+
+/// Errors of the analyses (bad options; the analyses themselves cannot fail).
+#[derive(Debug, thiserror::Error)]
+pub enum AnalysisError {
+    /// An option value is not valid.
+    #[error("{0}")]
+    InvalidOption(String),
+}
+
+/// A report every analysis command prints: JSON or a table.
+pub trait Report: Serialize {
+    /// The human-readable rendering.
+    fn render_table(&self) -> String;
+
+    /// Renders in `format`.
+    fn render(&self, format: Format) -> String {
+        match format {
+            Format::Table => self.render_table(),
+            Format::Json => {
+                let mut s = serde_json::to_string_pretty(self)
+                    .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
+                s.push('\n');
+                s
+            }
+        }
+    }
+}
+
+/// Total tokens of a record (input + output; unknown counts as 0).
+pub fn total_tokens(r: &RequestRecord) -> u64 {
+    r.input_tokens.unwrap_or(0) + r.output_tokens.unwrap_or(0)
+}
+
+/// A new table in the house style.
+pub fn table(header: &[&str]) -> comfy_table::Table {
+    let mut t = comfy_table::Table::new();
+    t.load_style(comfy_table::presets::UTF8_FULL_CONDENSED)
+        .set_content_arrangement(comfy_table::ContentArrangement::Disabled)
+        .set_header(header.iter().copied());
+    t
+}

@@ -703,6 +703,51 @@ tenant = "search"
     }
 
     #[test]
+    fn tracing_settings_from_env_and_validation() {
+        let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        };
+        let cfg = GatewayConfig::load_with_env(
+            None,
+            env(&[
+                ("TOKENSCOPE_TRACING__OTLP_ENDPOINT", "http://127.0.0.1:4317"),
+                ("TOKENSCOPE_TRACING__OTLP_PROTOCOL", "grpc"),
+                ("TOKENSCOPE_TRACING__SAMPLE_RATIO", "0.25"),
+                ("TOKENSCOPE_TRACING__SLOW_THRESHOLD", "750ms"),
+                ("TOKENSCOPE_TRACING__EXPORT_TIMEOUT", "2500"),
+            ]),
+        )
+        .expect("valid");
+        assert!(cfg.tracing.enabled());
+        assert_eq!(cfg.tracing.sample_ratio, 0.25);
+        assert_eq!(
+            cfg.tracing.slow_threshold.as_ref().map(DurationSetting::get),
+            Some(Ok(Duration::from_millis(750)))
+        );
+        assert_eq!(
+            cfg.tracing.export_timeout.get(),
+            Ok(Duration::from_millis(2500)),
+            "an integer is milliseconds"
+        );
+        assert!(!GatewayConfig::default().tracing.enabled());
+        for bad in [
+            ("TOKENSCOPE_TRACING__SAMPLE_RATIO", "1.5"),
+            ("TOKENSCOPE_TRACING__SLOW_THRESHOLD", "soon"),
+            ("TOKENSCOPE_TRACING__OTLP_PROTOCOL", "thrift"),
+            ("TOKENSCOPE_TRACING__OTLP_ENDPOINT", "https://collector:4318"),
+            ("TOKENSCOPE_TRACING__QUEUE_SPANS", "0"),
+        ] {
+            assert!(
+                GatewayConfig::load_with_env(None, env(&[bad])).is_err(),
+                "{bad:?} must be refused"
+            );
+        }
+    }
+
+    #[test]
     fn upstream_env() {
         let env = vec![(
             "TOKENSCOPE_UPSTREAM".to_string(),

@@ -7,6 +7,21 @@
 //!
 //! * [`prices`] — the price table (per-model token prices, or a GPU hourly cost turned into a
 //!   per-token cost from measured throughput) and the cost of a record.
+//! * [`cost`] — tokens and cost by business line / tenant / user / model / request type, share
+//!   of total, trend against the previous window (`tokenscope cost`).
+//! * [`budget`] — daily / monthly budgets per business line (explicit or 120 % of the 30-day
+//!   baseline), projected exhaustion, abnormal growth (`tokenscope budget`).
+//! * [`anomalies`] — token spikes per caller against a robust (median / MAD) baseline, request
+//!   loops, duplicate bursts, sudden drops (`tokenscope anomalies`).
+//! * [`waste`] — duplicate prompts, truncated and overlong outputs with suggested `max_tokens`,
+//!   bloated prompts, total saving (`tokenscope waste`).
+//! * [`diagnose`] — the decision tree: success rate → TTFT → TPOT → tokens → network, verdicts
+//!   with evidence, conclusion and remedies (`tokenscope diagnose`).
+//! * [`capacity`] — the load knee under an SLO from history or a load test, sustainable QPS,
+//!   date a growth rate reaches it (`tokenscope capacity`).
+//! * [`rules`] — Prometheus recording and tiered alerting rules
+//!   (`tokenscope export prometheus-rules`); [`alerts`] — the same conditions evaluated by the
+//!   gateway itself over recent records, with one notification per incident.
 //!
 //! Invariants:
 //! * No I/O and no clock: the window and "now" are arguments, so the same records give the
@@ -14,7 +29,15 @@
 //! * Every number in a report is recomputable from the records it names.
 #![deny(missing_docs)]
 
+pub mod alerts;
+pub mod anomalies;
+pub mod budget;
+pub mod capacity;
+pub mod cost;
+pub mod diagnose;
 pub mod prices;
+pub mod rules;
+pub mod waste;
 
 pub use prices::{ModelPrice, PriceTable};
 use serde::Serialize;

@@ -129,6 +129,22 @@ struct MockArgs {
     /// Multiply every simulated duration (0.1 = ten times faster).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
+    /// Prefill cost per input token, ms [default: 0.05].
+    #[arg(long)]
+    prefill_ms_per_token: Option<f64>,
+    /// Chunked-prefill budget per step, tokens [default: 512].
+    #[arg(long)]
+    max_prefill_tokens_per_step: Option<usize>,
+    /// One decode step with a batch of one, ms [default: 8].
+    #[arg(long)]
+    decode_base_ms: Option<f64>,
+    /// KV-cache capacity in tokens; admission waits while a prompt does not fit [default: 0 =
+    /// unlimited, no KV model].
+    #[arg(long)]
+    kv_tokens: Option<u64>,
+    /// Decode cost per KV token held by the sequences decoding in a step, ms [default: 0].
+    #[arg(long)]
+    decode_ms_per_kv_token: Option<f64>,
 }
 
 fn init_logging() {
@@ -315,11 +331,21 @@ async fn mock_engine(args: MockArgs) -> Result<()> {
         "tokenscope mock-engine listening on {}",
         listener.local_addr()?
     );
+    let d = tokenscope_mock::MockConfig::default();
     let cfg = tokenscope_mock::MockConfig {
         slots: args.slots,
         seed: args.seed,
         time_scale: args.time_scale,
-        ..tokenscope_mock::MockConfig::default()
+        prefill_ms_per_token: args.prefill_ms_per_token.unwrap_or(d.prefill_ms_per_token),
+        max_prefill_tokens_per_step: args
+            .max_prefill_tokens_per_step
+            .unwrap_or(d.max_prefill_tokens_per_step),
+        decode_base_ms: args.decode_base_ms.unwrap_or(d.decode_base_ms),
+        kv_tokens: args.kv_tokens.unwrap_or(d.kv_tokens),
+        decode_ms_per_kv_token: args
+            .decode_ms_per_kv_token
+            .unwrap_or(d.decode_ms_per_kv_token),
+        ..d
     };
     tokenscope_mock::serve(listener, cfg, shutdown_signal()).await?;
     Ok(())

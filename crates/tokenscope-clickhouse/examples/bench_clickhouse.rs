@@ -70,6 +70,7 @@ fn record(i: u64, now_us: i64) -> RequestRecord {
         engine_kv_usage: Some((i % 100) as f64 / 100.0),
         gpu_utilization: Some(0.9),
         gpu_memory_bandwidth: Some(0.5),
+        cost_usd: Some(0.0001),
     }
 }
 

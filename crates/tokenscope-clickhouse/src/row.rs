@@ -112,6 +112,7 @@ pub fn encode_row(buf: &mut Vec<u8>, r: &RequestRecord, row_version: u64) {
     put_opt_f64(buf, r.engine_kv_usage);
     put_opt_f64(buf, r.gpu_utilization);
     put_opt_f64(buf, r.gpu_memory_bandwidth);
+    put_opt_f64(buf, r.cost_usd);
     buf.extend_from_slice(&row_version.to_le_bytes());
 }
 
@@ -169,6 +170,7 @@ pub struct LogRow {
     pub engine_kv_usage: Option<f64>,
     pub gpu_utilization: Option<f64>,
     pub gpu_memory_bandwidth: Option<f64>,
+    pub cost_usd: Option<f64>,
     pub row_version: u64,
 }
 
@@ -249,6 +251,7 @@ impl LogRow {
             engine_kv_usage: self.engine_kv_usage,
             gpu_utilization: self.gpu_utilization,
             gpu_memory_bandwidth: self.gpu_memory_bandwidth,
+            cost_usd: self.cost_usd,
         };
         Ok((r, self.row_version))
     }

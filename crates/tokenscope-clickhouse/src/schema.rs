@@ -53,6 +53,11 @@
 //! DDL), then records the versions not yet recorded: several gateways may migrate at once, and a
 //! dropped table is recreated by the next migrate. Future migrations must keep that property
 //! (`ADD COLUMN IF NOT EXISTS`, …).
+//!
+//! * v1 — the table (above).
+//! * v2 — `cost_usd Nullable(Float64)` after `gpu_memory_bandwidth` (USD at the configured
+//!   prices; `NULL` = unpriced, and for rows written before v2), on the data table and, in a
+//!   cluster, on the `Distributed` table too.
 
 use crate::ClickHouseError;
 
@@ -65,7 +70,7 @@ pub const MIGRATIONS_TABLE: &str = "tokenscope_schema_migrations";
 
 /// The columns of an insert (and of every full-row read), in RowBinary order: the SQLite
 /// column list with `created_at` replaced by `created_at_us`, plus `row_version`.
-pub const INSERT_COLUMNS: [&str; 51] = [
+pub const INSERT_COLUMNS: [&str; 52] = [
     "request_id",
     "trace_id",
     "created_at_us",
@@ -116,6 +121,7 @@ pub const INSERT_COLUMNS: [&str; 51] = [
     "engine_kv_usage",
     "gpu_utilization",
     "gpu_memory_bandwidth",
+    "cost_usd",
     "row_version",
 ];
 
@@ -348,11 +354,18 @@ pub struct MigrationContext<'a> {
 }
 
 /// The ordered migrations. Append only; never edit a released entry.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "llm_inference_log (ReplacingMergeTree; Distributed over llm_inference_log_local in a cluster)",
-    statements: v1,
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "llm_inference_log (ReplacingMergeTree; Distributed over llm_inference_log_local in a cluster)",
+        statements: v1,
+    },
+    Migration {
+        version: 2,
+        description: "cost_usd Nullable(Float64): the request's cost at the configured prices",
+        statements: v2,
+    },
+];
 
 /// The newest schema version this build knows.
 pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
@@ -369,6 +382,33 @@ fn v1(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
         (Target::OnCluster, Some(c)) => vec![
             d.create_data_table(cx.database, LOCAL_TABLE, Some(c), cx.ttl_days),
             create_distributed_table(cx.database, c, true),
+        ],
+    }
+}
+
+/// `ALTER TABLE db.<table> [ON CLUSTER c] ADD COLUMN [IF NOT EXISTS] cost_usd … AFTER
+/// gpu_memory_bandwidth` (`AFTER` keeps the table's column order equal to
+/// [`INSERT_COLUMNS`]). Old servers (18.x) have no `IF NOT EXISTS` on `ADD COLUMN`: there the
+/// "column already exists" answer (`DUPLICATE_COLUMN`, 15, or `ILLEGAL_COLUMN`, 44) counts as
+/// success, which keeps the migration idempotent.
+fn add_cost_column(d: &Dialect, database: &str, table: &str, on_cluster: Option<&str>) -> String {
+    format!(
+        "ALTER TABLE {database}.{table}{} ADD COLUMN {}cost_usd Nullable(Float64) AFTER gpu_memory_bandwidth",
+        on_cluster_clause(on_cluster),
+        if d.is_modern() { "IF NOT EXISTS " } else { "" }
+    )
+}
+
+fn v2(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
+    match (cx.target, cx.cluster) {
+        (Target::Single, _) | (_, None) => vec![add_cost_column(d, cx.database, TABLE, None)],
+        (Target::ClusterNode, Some(_)) => vec![
+            add_cost_column(d, cx.database, LOCAL_TABLE, None),
+            add_cost_column(d, cx.database, TABLE, None),
+        ],
+        (Target::OnCluster, Some(c)) => vec![
+            add_cost_column(d, cx.database, LOCAL_TABLE, Some(c)),
+            add_cost_column(d, cx.database, TABLE, Some(c)),
         ],
     }
 }
@@ -410,14 +450,29 @@ mod tests {
         for absent in ["LowCardinality", "CODEC", "TTL", "DateTime64", "INDEX"] {
             assert!(!s.contains(absent), "{absent} in {s}");
         }
-        // Every insert column is declared, in the same order.
-        let declared: Vec<String> = d
+        // Every insert column is declared by v1 or added by v2 (`cost_usd`, placed after
+        // `gpu_memory_bandwidth`), in the same order.
+        let mut declared: Vec<String> = d
             .columns()
             .iter()
             .filter_map(|c| c.split(' ').next().map(str::to_owned))
             .filter(|c| c != "created_at")
             .collect();
+        let at = declared
+            .iter()
+            .position(|c| c == "gpu_memory_bandwidth")
+            .expect("gpu_memory_bandwidth declared");
+        declared.insert(at + 1, "cost_usd".to_owned());
         assert_eq!(declared, INSERT_COLUMNS.map(str::to_owned).to_vec());
+        assert_eq!(
+            (MIGRATIONS[1].statements)(&d, &single(None)),
+            ["ALTER TABLE db.llm_inference_log ADD COLUMN cost_usd Nullable(Float64) AFTER gpu_memory_bandwidth"]
+        );
+        let modern = Dialect::from_version("23.8.1").expect("v");
+        assert_eq!(
+            (MIGRATIONS[1].statements)(&modern, &single(None)),
+            ["ALTER TABLE db.llm_inference_log ADD COLUMN IF NOT EXISTS cost_usd Nullable(Float64) AFTER gpu_memory_bandwidth"]
+        );
     }
 
     #[test]

@@ -693,13 +693,14 @@ fn execute_on(store: &ClickHouseStore, client: &Client, sql: &str) -> Result<(),
     });
     match r {
         // A concurrent gateway created it first: TABLE_ALREADY_EXISTS (57),
-        // DATABASE_ALREADY_EXISTS (82).
+        // DATABASE_ALREADY_EXISTS (82); a column added already on an old server without
+        // `ADD COLUMN IF NOT EXISTS`: DUPLICATE_COLUMN (15), ILLEGAL_COLUMN (44).
         Err(ClickHouseError::Server {
-            code: Some(57 | 82),
+            code: Some(15 | 44 | 57 | 82),
             ..
         }) => Ok(()),
         Err(ClickHouseError::Server { message, .. })
-            if matches!(error_code(&message), Some(57 | 82)) =>
+            if matches!(error_code(&message), Some(15 | 44 | 57 | 82)) =>
         {
             Ok(())
         }

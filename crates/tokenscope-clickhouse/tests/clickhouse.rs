@@ -20,7 +20,7 @@ fn server() -> Option<ClickHouseServer> {
 
 fn connect(url: &str) -> ClickHouseStore {
     let store = ClickHouseStore::connect_url(url).expect("connect");
-    assert_eq!(store.migrate().expect("migrate"), 1);
+    assert_eq!(store.migrate().expect("migrate"), 2);
     store
 }
 
@@ -83,6 +83,7 @@ fn full_record(id: &str) -> RequestRecord {
         engine_kv_usage: Some(0.8125),
         gpu_utilization: Some(0.9375),
         gpu_memory_bandwidth: Some(0.625),
+        cost_usd: Some(0.001_234_5),
     }
 }
 
@@ -136,13 +137,13 @@ fn round_trip_full_and_sparse() {
             .expect("query"),
         "2023-11-14 22:13:20\t1700000000123456\talice\t1234\t1000.5\n"
     );
-    assert_eq!(store.schema_version().expect("version"), 1);
+    assert_eq!(store.schema_version().expect("version"), 2);
     // Migrating again is a no-op.
-    assert_eq!(store.migrate().expect("migrate"), 1);
+    assert_eq!(store.migrate().expect("migrate"), 2);
     assert_eq!(
         ch.query("SELECT count() FROM rt.tokenscope_schema_migrations FINAL")
             .trim(),
-        "1"
+        "2"
     );
 }
 
@@ -323,12 +324,12 @@ fn concurrent_migrate_on_a_fresh_database() {
         })
         .collect();
     for t in threads {
-        assert_eq!(t.join().expect("join").expect("migrate"), 1);
+        assert_eq!(t.join().expect("join").expect("migrate"), 2);
     }
     assert_eq!(
         ch.query("SELECT count() FROM conc.tokenscope_schema_migrations FINAL")
             .trim(),
-        "1"
+        "2"
     );
     assert_eq!(
         ch.query("SELECT name FROM system.tables WHERE database = 'conc' ORDER BY name"),

@@ -343,6 +343,10 @@ pub struct RequestRecord {
     pub gpu_utilization: Option<f64>,
     /// GPU state at this request's arrival: memory-bandwidth utilisation, 0–1.
     pub gpu_memory_bandwidth: Option<f64>,
+    /// Cost of this request in USD at the prices configured when it finished (`[[prices]]`:
+    /// token prices, or a self-hosted model's GPU hourly cost spread over the tokens its
+    /// model served recently); `None` = the model has no price (never 0 for "unknown").
+    pub cost_usd: Option<f64>,
 }
 
 /// Engine-side phase values that arrive after the record was written (OTLP spans from vLLM or

@@ -9,6 +9,10 @@
 //! * `POST /v1/traces` — OTLP/HTTP (protobuf or JSON) receiver for engine spans; their
 //!   `gen_ai.latency.*` values are joined to the record with the same trace id.
 //! * `POST /api/flush` — write everything queued to the store now (blocks this admin call only).
+//! * `POST /api/business-metrics` — business-metric values per business line for the budget
+//!   growth check: `{"business_line": "search", "value": 1200, "at": UNIX_SECONDS}` (`at`
+//!   optional, default now) or an array of them; appended to the store's sidecar file
+//!   (`crate::cost::business_metrics_path`), read by `tokenscope budget`.
 
 use crate::Shared;
 use axum::extract::{Path, Query, State};
@@ -43,6 +47,7 @@ pub(crate) fn router(shared: Arc<Shared>, pipeline: Arc<PipelineHandle>) -> Rout
         .route("/api/requests", get(recent))
         .route("/api/requests/{id}", get(one))
         .route("/api/flush", post(flush))
+        .route("/api/business-metrics", post(business_metrics))
         .with_state(AdminState { shared, pipeline })
 }
 
@@ -113,5 +118,69 @@ async fn flush(State(s): State<AdminState>) -> Response {
     match tokio::task::spawn_blocking(move || p.flush()).await {
         Ok(()) => "flushed".into_response(),
         Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "flush failed").into_response(),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MetricIn {
+    business_line: String,
+    value: f64,
+    /// Unix seconds (fractions allowed); default now.
+    at: Option<f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum MetricsIn {
+    One(MetricIn),
+    Many(Vec<MetricIn>),
+}
+
+async fn business_metrics(State(s): State<AdminState>, body: axum::body::Bytes) -> Response {
+    let parsed: MetricsIn = match serde_json::from_slice(&body) {
+        Ok(p) => p,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")).into_response(),
+    };
+    let list = match parsed {
+        MetricsIn::One(m) => vec![m],
+        MetricsIn::Many(v) => v,
+    };
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0);
+    let mut points = Vec::with_capacity(list.len());
+    for m in list {
+        let p = tokenscope_analysis::budget::BusinessMetricPoint {
+            business_line: m.business_line,
+            at_us: m
+                .at
+                .filter(|a| a.is_finite())
+                .map_or(now_us, |a| (a * 1e6) as i64),
+            value: m.value,
+        };
+        if let Err(e) = p.validate() {
+            return (StatusCode::BAD_REQUEST, e.to_string()).into_response();
+        }
+        points.push(p);
+    }
+    let n = points.len();
+    let file = s.shared.business_metrics.clone();
+    match tokio::task::spawn_blocking(move || file.append(&points)).await {
+        Ok(Ok(())) => Json(serde_json::json!({ "accepted": n })).into_response(),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "business metrics: append failed");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "could not store the values",
+            )
+                .into_response()
+        }
+        Err(_) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "could not store the values",
+        )
+            .into_response(),
     }
 }

@@ -395,6 +395,8 @@ pub struct GatewayConfig {
     pub gpu: GpuSection,
     /// OpenTelemetry traces (off unless an OTLP endpoint is set).
     pub tracing: TracingSection,
+    /// The gateway's own alerting (off unless `webhook_url` is set) and alert thresholds.
+    pub alerts: crate::alerting::AlertsSection,
     /// Upstream engines, routed by model.
     pub upstreams: Vec<UpstreamConfig>,
     /// Per-model tokenizers for the entry count (`kind = "hf" | "tiktoken" | "engine"`).
@@ -406,6 +408,8 @@ pub struct GatewayConfig {
     pub api_keys: Vec<ApiKeyConfig>,
     /// Prices per model (`[[prices]]`): token prices, or a GPU cost per hour.
     pub prices: Vec<tokenscope_analysis::ModelPrice>,
+    /// Budgets per business line (`[[budgets]]`): daily or monthly, explicit or automatic.
+    pub budgets: Vec<tokenscope_analysis::budget::BudgetConfig>,
 }
 
 impl Default for GatewayConfig {
@@ -429,11 +433,13 @@ impl Default for GatewayConfig {
             spool: SpoolSection::default(),
             gpu: GpuSection::default(),
             tracing: TracingSection::default(),
+            alerts: crate::alerting::AlertsSection::default(),
             upstreams: Vec::new(),
             tokenizers: Vec::new(),
             token_mismatch_tolerance: 0.02,
             api_keys: Vec::new(),
             prices: Vec::new(),
+            budgets: Vec::new(),
         }
     }
 }
@@ -519,6 +525,10 @@ impl GatewayConfig {
 
     /// Checks ranges and consistency.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        for b in &self.budgets {
+            b.validate()
+                .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        }
         for (what, addr) in [
             ("listen", &self.listen),
             ("admin_listen", &self.admin_listen),
@@ -545,6 +555,7 @@ impl GatewayConfig {
             }
         }
         self.tracing.validate()?;
+        self.alerts.validate()?;
         for k in &self.api_keys {
             if k.key.is_none() && k.key_sha256.is_none() {
                 return Err(ConfigError::Invalid(
@@ -607,7 +618,7 @@ const ENV_KEYS: &[&str] = &[
     "token_mismatch_tolerance",
 ];
 /// Tables whose keys are settable as `TOKENSCOPE_<TABLE>__<KEY>`.
-const ENV_TABLES: &[&str] = &["metrics", "pipeline", "spool", "gpu", "tracing"];
+const ENV_TABLES: &[&str] = &["metrics", "pipeline", "spool", "gpu", "tracing", "alerts"];
 
 fn parse_scalar(v: &str) -> toml::Value {
     if let Ok(i) = v.parse::<i64>() {
@@ -699,6 +710,7 @@ tenant = "search"
         let cfg = GatewayConfig::load_with_env(Some(Path::new(path)), Vec::new()).expect("valid");
         assert_eq!(cfg.upstreams.len(), 2);
         assert_eq!(cfg.api_key_map().len(), 1);
+        assert_eq!((cfg.prices.len(), cfg.budgets.len()), (2, 2));
         assert_eq!(cfg.listen, GatewayConfig::default().listen);
     }
 
@@ -724,7 +736,10 @@ tenant = "search"
         assert!(cfg.tracing.enabled());
         assert_eq!(cfg.tracing.sample_ratio, 0.25);
         assert_eq!(
-            cfg.tracing.slow_threshold.as_ref().map(DurationSetting::get),
+            cfg.tracing
+                .slow_threshold
+                .as_ref()
+                .map(DurationSetting::get),
             Some(Ok(Duration::from_millis(750)))
         );
         assert_eq!(
@@ -737,7 +752,10 @@ tenant = "search"
             ("TOKENSCOPE_TRACING__SAMPLE_RATIO", "1.5"),
             ("TOKENSCOPE_TRACING__SLOW_THRESHOLD", "soon"),
             ("TOKENSCOPE_TRACING__OTLP_PROTOCOL", "thrift"),
-            ("TOKENSCOPE_TRACING__OTLP_ENDPOINT", "https://collector:4318"),
+            (
+                "TOKENSCOPE_TRACING__OTLP_ENDPOINT",
+                "https://collector:4318",
+            ),
             ("TOKENSCOPE_TRACING__QUEUE_SPANS", "0"),
         ] {
             assert!(

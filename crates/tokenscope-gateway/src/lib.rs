@@ -18,8 +18,10 @@
 #![deny(missing_docs)]
 
 mod admin;
+pub mod alerting;
 pub mod body;
 pub mod config;
+pub mod cost;
 pub mod engine;
 mod proxy;
 pub mod recording;
@@ -108,6 +110,14 @@ pub(crate) struct Shared {
     tokenizers: tokenscope_tokenize::Tokenizers,
     /// Tail sampling and OTLP export (`[tracing]` with an endpoint), else `None`.
     tracing: Option<Tracing>,
+    /// `cost_usd` of finished records (`[[prices]]`).
+    cost: cost::CostMeter,
+    /// Usage of the current budget periods (`llm_budget_usage_ratio`).
+    budgets: Arc<cost::BudgetTracker>,
+    /// Business-metric values from `POST /api/business-metrics` (sidecar file).
+    business_metrics: Arc<cost::BusinessMetricsFile>,
+    /// The gateway's own alerting (`[alerts] webhook_url`): a bounded sample buffer.
+    alerting: alerting::Alerting,
 }
 
 /// The trace side of the gateway: decisions on the request path, export on its own task.
@@ -243,7 +253,9 @@ impl Shared {
     }
 
     /// Called exactly once per request by [`recording`].
-    fn finish_record(&self, rec: RequestRecord, trace: TraceFacts) {
+    fn finish_record(&self, mut rec: RequestRecord, trace: TraceFacts) {
+        rec.cost_usd = self.cost.cost(&rec, std::time::Instant::now());
+        self.budgets.add(&rec);
         // Tail sampling first: a kept trace's id becomes the histograms' exemplar.
         let decision = self.tracing.as_ref().map(|t| {
             let model_label = self.metrics.model_label(&rec.model);
@@ -280,6 +292,8 @@ impl Shared {
             }
             recent.push_back(Arc::new(rec.clone()));
         }
+        self.alerting
+            .push(&rec, || self.metrics.model_label(&rec.model));
         self.out.submit(rec);
     }
 }
@@ -579,6 +593,7 @@ impl Gateway {
         })
         .map_err(|e| ConfigError::Invalid(format!("gpu: {e}")))?;
         tokenscope_engine_state::register_metrics(metrics.registry_mut(), &states, gpu.as_ref());
+        let alerting = alerting::start(&cfg.alerts, &cfg.admin_listen, metrics.registry_mut())?;
         let metrics = Arc::new(metrics);
         let tracing = start_tracing(&cfg.tracing, &metrics)?;
         let target = StoreTarget::parse(&cfg.store);
@@ -650,8 +665,42 @@ impl Gateway {
             .build(connector);
         let tokenizers = tokenscope_tokenize::Tokenizers::new(&cfg.tokenizers)
             .map_err(|e| ConfigError::Invalid(format!("tokenizers: {e}")))?;
+        let budgets = Arc::new(cost::BudgetTracker::new(
+            &cfg.budgets,
+            Some(metrics.clone()),
+        ));
+        let b = budgets.clone();
+        alerting.set_budgets(
+            cfg.budgets
+                .iter()
+                .map(|c| c.business_line.clone())
+                .collect(),
+            move |l| b.ratio(l),
+        );
+        if !budgets.is_empty() {
+            let started_us = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_micros() as i64)
+                .unwrap_or(0);
+            match &target {
+                StoreTarget::Sqlite(path) => cost::seed_from_sqlite(
+                    budgets.clone(),
+                    path.clone(),
+                    tokenscope_analysis::PriceTable::new(cfg.prices.clone()),
+                    started_us,
+                ),
+                StoreTarget::ClickHouse(_) => tracing::info!(
+                    "budget usage is counted from this start on (not seeded from ClickHouse)"
+                ),
+            }
+        }
         let shared = Arc::new(Shared {
             api_keys: cfg.api_key_map(),
+            cost: cost::CostMeter::new(tokenscope_analysis::PriceTable::new(cfg.prices.clone())),
+            budgets: budgets.clone(),
+            business_metrics: Arc::new(cost::BusinessMetricsFile::new(
+                cost::business_metrics_path(&target),
+            )),
             cfg,
             client,
             upstreams,
@@ -662,6 +711,7 @@ impl Gateway {
             recorder,
             tokenizers,
             tracing,
+            alerting,
         });
         Ok(Self {
             shared,

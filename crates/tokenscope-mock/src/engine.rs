@@ -30,6 +30,9 @@ pub(crate) struct EngineParams {
     pub decode_base_ms: f64,
     pub decode_ms_per_seq: f64,
     pub max_prefill_tokens_per_step: u64,
+    /// KV capacity in tokens, 0 = unlimited.
+    pub kv_tokens: u64,
+    pub decode_ms_per_kv_token: f64,
 }
 
 impl EngineParams {
@@ -41,14 +44,17 @@ impl EngineParams {
             decode_base_ms: cfg.decode_base_ms,
             decode_ms_per_seq: cfg.decode_ms_per_seq,
             max_prefill_tokens_per_step: (cfg.max_prefill_tokens_per_step as u64).max(1),
+            kv_tokens: cfg.kv_tokens,
+            decode_ms_per_kv_token: cfg.decode_ms_per_kv_token,
         }
     }
 
     /// Duration of one step, already scaled.
-    fn step_duration(&self, batch: usize, prefill_tokens: u64) -> Duration {
+    fn step_duration(&self, batch: usize, prefill_tokens: u64, decode_kv_tokens: u64) -> Duration {
         let ms = self.decode_base_ms
             + self.decode_ms_per_seq * batch.saturating_sub(1) as f64
-            + self.prefill_ms_per_token * prefill_tokens as f64;
+            + self.prefill_ms_per_token * prefill_tokens as f64
+            + self.decode_ms_per_kv_token * decode_kv_tokens as f64;
         scaled(ms, self.time_scale)
     }
 }
@@ -215,6 +221,11 @@ struct Seq {
 }
 
 impl Seq {
+    /// KV tokens this sequence holds: its whole prompt (reserved at admission) + generated.
+    fn kv(&self) -> u64 {
+        self.prefill_total + self.generated
+    }
+
     fn admit(sub: Submission, now: Instant) -> Self {
         Self {
             job: sub.job,
@@ -325,14 +336,24 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Submission>, p: EngineParams, stats
 
         // Admit in FIFO order.
         let step_start = Instant::now();
+        let mut kv_used: u64 = running.iter().map(Seq::kv).sum();
         while running.len() < p.slots {
+            let Some(next) = waiting.front() else {
+                break;
+            };
+            let need = next.job.prompt_tokens.max(1);
+            if p.kv_tokens > 0 && !running.is_empty() && kv_used + need > p.kv_tokens {
+                break;
+            }
             let Some(sub) = waiting.pop_front() else {
                 break;
             };
+            kv_used += need;
             stats.waiting.fetch_sub(1, Ordering::Relaxed);
             running.push(Seq::admit(sub, step_start));
         }
         stats.running.store(running.len(), Ordering::Relaxed);
+        stats.kv_used.store(kv_used, Ordering::Relaxed);
         if running.is_empty() {
             continue;
         }
@@ -341,6 +362,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Submission>, p: EngineParams, stats
         let mut budget = p.max_prefill_tokens_per_step;
         let mut prefill_tokens = 0u64;
         let mut batch = 0usize;
+        let mut decode_kv = 0u64;
         for s in &mut running {
             // Room for a token and the final event.
             let room = s.tx.capacity() >= 2;
@@ -355,6 +377,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Submission>, p: EngineParams, stats
                     Plan::Prefill(chunk)
                 }
             } else if room {
+                decode_kv += s.kv();
                 Plan::Decode
             } else {
                 Plan::Idle
@@ -366,7 +389,7 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Submission>, p: EngineParams, stats
 
         // Run the step.
         let floor = step_start.checked_sub(MAX_CATCH_UP).unwrap_or(step_start);
-        ideal = ideal.max(floor) + p.step_duration(batch, prefill_tokens);
+        ideal = ideal.max(floor) + p.step_duration(batch, prefill_tokens, decode_kv);
         if ideal > Instant::now() {
             tokio::time::sleep_until(ideal).await;
         } else {
@@ -375,6 +398,9 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Submission>, p: EngineParams, stats
         let now = Instant::now();
         running.retain_mut(|s| s.finish_step(now, &stats));
         stats.running.store(running.len(), Ordering::Relaxed);
+        stats
+            .kv_used
+            .store(running.iter().map(Seq::kv).sum(), Ordering::Relaxed);
     }
 }
 
@@ -392,6 +418,8 @@ mod tests {
             decode_base_ms: 8.0,
             decode_ms_per_seq: 1.0,
             max_prefill_tokens_per_step: 512,
+            kv_tokens: 0,
+            decode_ms_per_kv_token: 0.0,
         }
     }
 
@@ -554,6 +582,81 @@ mod tests {
         assert!(s.queue_ms() < 30.0, "queue {}", s.queue_ms());
         assert_eq!(stats.aborted.load(Ordering::Relaxed), 1);
         assert_eq!(stats.running.load(Ordering::Relaxed), 0);
+    }
+
+    fn kv_engine(slots: usize, kv_tokens: u64, per_kv: f64) -> (Engine, Arc<Stats>) {
+        let stats = Arc::new(Stats::default());
+        let p = EngineParams {
+            kv_tokens,
+            decode_ms_per_kv_token: per_kv,
+            ..params(slots)
+        };
+        (Engine::new(p, stats.clone()), stats)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn kv_capacity_limits_the_batch() {
+        // Room for one 600-token prompt at a time: requests run one by one despite 8 slots.
+        let (e, stats) = kv_engine(8, 1000, 0.0);
+        let rxs: Vec<_> = (0..3)
+            .map(|_| e.submit(job(600, 4)).expect("engine running"))
+            .collect();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(stats.running.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.waiting.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.kv_used.load(Ordering::Relaxed), 600);
+        let mut done = Vec::new();
+        for rx in rxs {
+            done.push(collect(rx).await.1);
+        }
+        // Each: prefill 512 + 88 tokens in 2 steps (12 + 8.6875 ms), 3 decode steps of 8 ms.
+        let one = 12.0 + 8.0 + 88.0 / 128.0 + 24.0;
+        // (The timer has millisecond resolution: within 1 ms.)
+        assert_eq!(done[0].queue_ms(), 0.0);
+        assert!(
+            (done[1].queue_ms() - one).abs() <= 1.0,
+            "{}",
+            done[1].queue_ms()
+        );
+        assert!(
+            (done[2].queue_ms() - 2.0 * one).abs() <= 1.0,
+            "{}",
+            done[2].queue_ms()
+        );
+        assert_eq!(stats.kv_used.load(Ordering::Relaxed), 0);
+        // Without the KV model they all run at once.
+        let (e, _) = engine(8);
+        let free = run_all(&e, &[job(600, 4); 3]).await;
+        assert!(free.iter().all(|(_, s)| s.queue_ms() == 0.0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn prompt_larger_than_the_cache_runs_alone() {
+        let (e, _) = kv_engine(4, 100, 0.0);
+        let r = run_all(&e, &[job(500, 2), job(10, 2)]).await;
+        assert_eq!(r[0].0.len(), 2);
+        assert_eq!(r[1].0.len(), 2);
+        assert!(r[1].1.queue_ms() > 0.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn decode_cost_grows_with_resident_kv() {
+        // 1/128 ms per KV token: a decode step of a 1023-token prompt after its first token
+        // holds 1024 tokens → 8 + 8 ms, the next 1025 → 8 + 8.0078 ms.
+        let (e, _) = kv_engine(8, 0, 1.0 / 128.0);
+        let (_, s) = run_all(&e, &[job(1023, 3)]).await[0];
+        let want = 2.0 * 8.0 + (1024.0 + 1025.0) / 128.0;
+        // (The timer has millisecond resolution: within 1 ms.)
+        assert!(
+            (s.predicted_ms() - want).abs() <= 1.0,
+            "{}",
+            s.predicted_ms()
+        );
+        assert!(s.predicted_ms() >= 31.0);
+        // The default (no per-KV cost) is unchanged: 2 decode steps of 8 ms.
+        let (e, _) = engine(8);
+        let (_, s) = run_all(&e, &[job(1023, 3)]).await[0];
+        assert_eq!(s.predicted_ms(), 16.0);
     }
 
     #[tokio::test(start_paused = true)]

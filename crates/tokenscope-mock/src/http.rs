@@ -788,7 +788,10 @@ async fn health() -> Response {
 }
 
 async fn metrics(State(app): State<App>) -> Response {
-    let text = app.0.stats.render(&app.0.cfg.model, app.0.cfg.slots);
+    let text = app
+        .0
+        .stats
+        .render(&app.0.cfg.model, app.0.cfg.slots, app.0.cfg.kv_tokens);
     (
         [(
             header::CONTENT_TYPE,

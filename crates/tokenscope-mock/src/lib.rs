@@ -32,6 +32,24 @@
 //!   its own sequence once its channel is full (backpressure); the others keep going.
 //! * When idle (nothing waiting or running), the engine awaits the next request.
 //!
+//! ## KV cache (optional)
+//!
+//! With [`MockConfig::kv_tokens`] `> 0` the engine models a KV cache of that many tokens:
+//!
+//! * a running sequence holds `prompt + generated` tokens of KV (its whole prompt is reserved
+//!   at admission, as paged-attention engines allocate the prompt's blocks);
+//! * admission (still FIFO, still at most `slots`) also waits while the cache cannot hold the
+//!   next request's prompt — unless nothing is running, so a prompt larger than the cache still
+//!   runs alone. Long contexts therefore keep batches small and requests queue;
+//! * generated tokens are never refused (no preemption), so usage can briefly exceed the
+//!   capacity; `/metrics` reports `min(used / capacity, 1)` as the KV usage in both the
+//!   llama.cpp and vLLM gauges (without a KV model: occupied slots / slots, as before);
+//! * every step also costs [`MockConfig::decode_ms_per_kv_token`] × the KV tokens of the
+//!   sequences decoding in it (attention reads the whole context per generated token), so TPOT
+//!   rises as contexts grow — a memory-bandwidth-bound decode.
+//!
+//! With the defaults (`kv_tokens = 0`, `decode_ms_per_kv_token = 0`) nothing of this applies.
+//!
 //! ## Output length
 //!
 //! * `"mock_output_tokens": N` in the request body forces the length: exactly `N` tokens, finish
@@ -122,6 +140,12 @@ pub struct MockConfig {
     pub max_prefill_tokens_per_step: usize,
     /// Output limit when the request has no `max_tokens`. Default 256.
     pub default_max_tokens: u64,
+    /// KV-cache capacity in tokens; 0 = unlimited (no KV model, the default). See the crate
+    /// docs, "KV cache".
+    pub kv_tokens: u64,
+    /// Decode cost per KV token resident in the sequences decoding in a step, ms
+    /// (memory-bandwidth-bound attention). Default 0.
+    pub decode_ms_per_kv_token: f64,
 }
 
 impl Default for MockConfig {
@@ -136,6 +160,8 @@ impl Default for MockConfig {
             decode_ms_per_seq: 0.5,
             max_prefill_tokens_per_step: 512,
             default_max_tokens: 256,
+            kv_tokens: 0,
+            decode_ms_per_kv_token: 0.0,
         }
     }
 }
@@ -156,6 +182,7 @@ impl MockConfig {
             ("prefill_ms_per_token", self.prefill_ms_per_token),
             ("decode_base_ms", self.decode_base_ms),
             ("decode_ms_per_seq", self.decode_ms_per_seq),
+            ("decode_ms_per_kv_token", self.decode_ms_per_kv_token),
         ] {
             if !v.is_finite() || v < 0.0 {
                 return bad(&format!("{name} must be finite and non-negative, got {v}"));
@@ -182,6 +209,7 @@ impl MockConfig {
             prefill_ms_per_token: fix(self.prefill_ms_per_token, d.prefill_ms_per_token),
             decode_base_ms: fix(self.decode_base_ms, d.decode_base_ms),
             decode_ms_per_seq: fix(self.decode_ms_per_seq, d.decode_ms_per_seq),
+            decode_ms_per_kv_token: fix(self.decode_ms_per_kv_token, d.decode_ms_per_kv_token),
             ..self.clone()
         }
     }

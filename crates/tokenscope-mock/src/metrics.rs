@@ -18,11 +18,14 @@ pub(crate) struct Stats {
     pub finished: AtomicU64,
     /// Requests aborted because their client went away.
     pub aborted: AtomicU64,
+    /// KV tokens held by running sequences (only maintained with a KV model).
+    pub kv_used: AtomicU64,
 }
 
 impl Stats {
     /// Prometheus text exposition (format 0.0.4).
-    pub(crate) fn render(&self, model: &str, slots: usize) -> String {
+    /// `kv_tokens` is the KV capacity (0 = no KV model: occupied slots / slots stands in).
+    pub(crate) fn render(&self, model: &str, slots: usize, kv_tokens: u64) -> String {
         let running = self.running.load(Ordering::Relaxed);
         let waiting = self.waiting.load(Ordering::Relaxed);
         let prompt = self.prompt_tokens.load(Ordering::Relaxed);
@@ -30,7 +33,9 @@ impl Stats {
         let finished = self.finished.load(Ordering::Relaxed);
         let aborted = self.aborted.load(Ordering::Relaxed);
         // The mock has no KV cache: occupied slots / slots stands in for cache usage.
-        let kv = if slots == 0 {
+        let kv = if kv_tokens > 0 {
+            (self.kv_used.load(Ordering::Relaxed) as f64 / kv_tokens as f64).min(1.0)
+        } else if slots == 0 {
             0.0
         } else {
             running as f64 / slots as f64
@@ -76,7 +81,7 @@ impl Stats {
         metric(
             "llamacpp:kv_cache_usage_ratio",
             "gauge",
-            "KV-cache usage. Mock: occupied slots / slots (there is no KV cache).",
+            "KV-cache usage. Mock: KV tokens held / capacity with --kv-tokens, else occupied slots / slots.",
             "",
             kv.to_string(),
         );
@@ -98,7 +103,7 @@ impl Stats {
         metric(
             "vllm:kv_cache_usage_perc",
             "gauge",
-            "KV-cache usage, 1 means 100 percent. Mock: occupied slots / slots (there is no KV cache).",
+            "KV-cache usage, 1 means 100 percent. Mock: KV tokens held / capacity with --kv-tokens, else occupied slots / slots.",
             &label,
             kv.to_string(),
         );
@@ -150,12 +155,30 @@ mod tests {
         let s = Stats::default();
         s.running.store(3, Ordering::Relaxed);
         s.waiting.store(2, Ordering::Relaxed);
-        let text = s.render("m\"x", 4);
+        let text = s.render("m\"x", 4, 0);
         assert!(text.contains("llamacpp:requests_processing 3\n"));
         assert!(text.contains("llamacpp:requests_deferred 2\n"));
         assert!(text.contains("vllm:num_requests_running{model_name=\"m\\\"x\"} 3\n"));
         assert!(text.contains("vllm:num_requests_waiting{model_name=\"m\\\"x\"} 2\n"));
         assert!(text.contains("vllm:kv_cache_usage_perc{model_name=\"m\\\"x\"} 0.75\n"));
         assert!(text.contains("# TYPE llamacpp:prompt_tokens_total counter\n"));
+    }
+
+    #[test]
+    fn kv_model_reports_used_over_capacity() {
+        let s = Stats::default();
+        s.running.store(1, Ordering::Relaxed);
+        s.kv_used.store(950, Ordering::Relaxed);
+        let text = s.render("m", 8, 1000);
+        assert!(
+            text.contains("llamacpp:kv_cache_usage_ratio 0.95\n"),
+            "{text}"
+        );
+        assert!(text.contains("vllm:kv_cache_usage_perc{model_name=\"m\"} 0.95\n"));
+        // Generation past the capacity is reported as full, never above 1.
+        s.kv_used.store(1200, Ordering::Relaxed);
+        assert!(s
+            .render("m", 8, 1000)
+            .contains("llamacpp:kv_cache_usage_ratio 1\n"));
     }
 }

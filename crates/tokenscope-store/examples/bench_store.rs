@@ -251,6 +251,7 @@ impl Gen {
             engine_kv_usage: Some(1.0 - r.f() * r.f()),
             gpu_utilization: Some(0.5 + r.f() * 0.5),
             gpu_memory_bandwidth: Some(0.3 + r.f() * 0.6),
+            cost_usd: None,
         }
     }
 }

@@ -53,6 +53,9 @@
 //!   id prefix. Each took one insert at a scattered position per row; together they held the
 //!   insert rate at ~9 000 rows/s at 1 M rows, against ~175 000 without them
 //!   (`docs/benchmarks.md`).
+//! * v5 — column `cost_usd REAL` (USD at the configured prices; `NULL` = unpriced, and for
+//!   rows written before v5). Readers need v5 (the reads name it): a read-only open of an
+//!   older file is refused until a writer migrated it.
 //!
 //! Indexes: the primary key (`request_id`: idempotent inserts, [`SqliteStore::get`]) and
 //! `idx_log_created_at`, led by `created_at` and carrying every column a
@@ -108,7 +111,7 @@ pub const SQL_USER_TOKENS_PER_DAY: &str = include_str!("sql/user_tokens_per_day.
 pub const SQL_MEAN_TTFT_BY_BUCKET: &str = include_str!("sql/mean_ttft_by_bucket.sql");
 
 /// Every column of [`TABLE`], in the order [`record_from_row`] expects them.
-pub const COLUMNS: [&str; 50] = [
+pub const COLUMNS: [&str; 51] = [
     "request_id",
     "trace_id",
     "created_at",
@@ -159,6 +162,7 @@ pub const COLUMNS: [&str; 50] = [
     "engine_kv_usage",
     "gpu_utilization",
     "gpu_memory_bandwidth",
+    "cost_usd",
 ];
 
 /// Ordered schema migrations: entry `i` takes the schema from version `i` to `i + 1`.
@@ -260,14 +264,18 @@ const MIGRATIONS: &[&str] = &[
     DROP INDEX IF EXISTS idx_log_business_line_time;
     DROP INDEX IF EXISTS idx_log_prompt_hash;
     DROP INDEX IF EXISTS idx_log_trace_prefix;",
+    // v5: the request's cost in USD at the configured prices (`NULL` = unpriced model, and
+    // for every row written before v5).
+    "ALTER TABLE llm_inference_log ADD COLUMN cost_usd REAL;",
 ];
 
 /// The schema version this build writes and understands.
 pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
-/// The oldest schema a read-only open accepts: v2 added the last columns the reads name;
-/// v3 and v4 only changed indexes.
-pub const MIN_READ_VERSION: u32 = 2;
+/// The oldest schema a read-only open accepts: v5 added `cost_usd`, the last column the
+/// reads name (v3 and v4 only changed indexes). An older file is migrated by the next
+/// writer (`tokenscope serve`, or [`SqliteStore::open`]).
+pub const MIN_READ_VERSION: u32 = 5;
 
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -627,7 +635,7 @@ fn insert_sql(rows: usize) -> String {
     )
 }
 
-/// Binds `r` to parameters `base + 1 ..= base + 50` of `stmt`, in [`COLUMNS`] order.
+/// Binds `r` to parameters `base + 1 ..= base + 51` of `stmt`, in [`COLUMNS`] order.
 fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusqlite::Result<()> {
     let mut i = base;
     let mut bind = |stmt: &mut Statement<'_>, v: &dyn ToSql| {
@@ -684,6 +692,7 @@ fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusq
     bind(stmt, &r.engine_kv_usage)?;
     bind(stmt, &r.gpu_utilization)?;
     bind(stmt, &r.gpu_memory_bandwidth)?;
+    bind(stmt, &r.cost_usd)?;
     debug_assert_eq!(i - base, COLUMNS.len());
     Ok(())
 }
@@ -872,6 +881,7 @@ pub fn record_from_row(row: &Row<'_>) -> rusqlite::Result<RequestRecord> {
         engine_kv_usage: row.get(47)?,
         gpu_utilization: row.get(48)?,
         gpu_memory_bandwidth: row.get(49)?,
+        cost_usd: row.get(50)?,
     })
 }
 
@@ -932,6 +942,7 @@ pub(crate) mod tests {
             engine_kv_usage: Some(0.8125),
             gpu_utilization: Some(0.9375),
             gpu_memory_bandwidth: Some(0.625),
+            cost_usd: Some(0.001_234_5),
         }
     }
 
@@ -1134,22 +1145,22 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn v1_database_migrates_to_v4_on_open() {
+    fn v1_database_migrates_to_v5_on_open() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("v1.db");
         v1_database(&path);
-        // A read-only open of a v1 file is refused with a clear error (the reads name v2
+        // A read-only open of a v1 file is refused with a clear error (the reads name v2…v5
         // columns)…
         assert!(matches!(
             SqliteStore::open_read_only(&path),
             Err(StoreError::SchemaTooOld {
                 found: 1,
-                expected: 2
+                expected: MIN_READ_VERSION
             })
         ));
-        // …and a writer migrates it (v1 → v2 → v3 → v4 in one transaction).
+        // …and a writer migrates it (v1 → … → v5 in one transaction).
         let mut store = SqliteStore::open(&path).expect("migrate");
-        assert_eq!(store.schema_version().expect("v"), 4);
+        assert_eq!(store.schema_version().expect("v"), 5);
         let old = store.get("old").expect("get").expect("row kept");
         assert_eq!(old.ttft_ms, Some(8.0));
         assert_eq!(old.queue_source, PhaseSource::Derived);
@@ -1197,7 +1208,7 @@ pub(crate) mod tests {
         drop(store);
         // Reopening is a no-op; readers are accepted now.
         let store = SqliteStore::open(&path).expect("reopen");
-        assert_eq!(store.schema_version().expect("v"), 4);
+        assert_eq!(store.schema_version().expect("v"), 5);
         assert_eq!(store.count().expect("count"), 2);
         let reader = SqliteStore::open_read_only(&path).expect("ro after migration");
         assert_eq!(reader.count().expect("count"), 2);
@@ -1225,7 +1236,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn v2_database_migrates_to_v4_and_keeps_late_updates() {
+    fn v2_database_migrates_to_v5_and_keeps_late_updates() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("v2.db");
         {
@@ -1246,16 +1257,17 @@ pub(crate) mod tests {
             )
             .expect("v2 row");
         }
-        // A v2 file has every column the reads name: readers accept it before any migration.
-        assert_eq!(
-            SqliteStore::open_read_only(&path)
-                .expect("v2 readable")
-                .count()
-                .expect("count"),
-            1
-        );
+        // A v2 file lacks `cost_usd` (v5), which the reads name: readers refuse it until a
+        // writer migrated it.
+        assert!(matches!(
+            SqliteStore::open_read_only(&path),
+            Err(StoreError::SchemaTooOld {
+                found: 2,
+                expected: MIN_READ_VERSION
+            })
+        ));
         let mut store = SqliteStore::open(&path).expect("migrate");
-        assert_eq!(store.schema_version().expect("v"), 4);
+        assert_eq!(store.schema_version().expect("v"), 5);
         assert_v4_indexes(store.conn());
         // A row written before the migration is found by its trace id (the trace map is
         // loaded from the newest rows when the store opens)…

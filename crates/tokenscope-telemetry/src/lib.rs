@@ -183,6 +183,15 @@ pub struct Metrics {
     trace_spans_dropped: Family<ReasonLabels, Counter>,
     trace_export_errors: Family<KindLabels, Counter>,
     trace_queue_spans: Gauge<i64, std::sync::atomic::AtomicI64>,
+    budget_usage: Family<BusinessLineLabels, Gauge<f64, AtomicU64>>,
+}
+
+/// `{business_line}` of the budget gauge (bounded: only business lines with a `[[budgets]]`
+/// entry).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BusinessLineLabels {
+    /// The business line.
+    pub business_line: String,
 }
 
 /// `{reason}` for late engine updates that never found their row.
@@ -386,6 +395,12 @@ impl Metrics {
             "Spans queued for export or being exported (bounded by tracing.queue_spans)",
             trace_queue_spans.clone(),
         );
+        let budget_usage = Family::<BusinessLineLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "llm_budget_usage_ratio",
+            "Used / budget of the current budget period per business line (the largest ratio when a line has several budgets; 1 = budget spent)",
+            budget_usage.clone(),
+        );
         // Every drop reason exists from the start, so `rate()` alerts see the first drop.
         for reason in DROP_REASONS {
             let _ = records_dropped.get_or_create(&ReasonLabels { reason });
@@ -430,7 +445,17 @@ impl Metrics {
             trace_spans_dropped,
             trace_export_errors,
             trace_queue_spans,
+            budget_usage,
         }
+    }
+
+    /// Sets `llm_budget_usage_ratio{business_line}`.
+    pub fn set_budget_usage_ratio(&self, business_line: &str, ratio: f64) {
+        self.budget_usage
+            .get_or_create(&BusinessLineLabels {
+                business_line: business_line.to_owned(),
+            })
+            .set(ratio);
     }
 
     /// The bounded label for a model name.

@@ -1,8 +1,11 @@
-//! `tokenscope diagnose`.
+//! `tokenscope diagnose`: loads the window, walks the decision tree
+//! (`tokenscope_analysis::diagnose`), prints the steps, the conclusion and the remedies.
 
 use super::{CommonArgs, Input};
-use anyhow::{bail, Result};
+use anyhow::{Context, Result};
 use clap::Args;
+use tokenscope_analysis::diagnose::{diagnose, DiagnoseOptions};
+use tokenscope_analysis::Report;
 
 /// `tokenscope diagnose` options.
 #[derive(Args, Debug)]
@@ -10,10 +13,62 @@ pub struct DiagnoseArgs {
     /// Store, window, format, config.
     #[command(flatten)]
     pub common: CommonArgs,
+    /// Success rate below this is a problem (0–1).
+    #[arg(long, default_value_t = 0.99)]
+    pub min_success_rate: f64,
+    /// P99 TTFT above this is a problem (e.g. 2s, 800ms).
+    #[arg(long, default_value = "2s")]
+    pub ttft_p99: String,
+    /// P99 TPOT above this is a problem (e.g. 50ms).
+    #[arg(long, default_value = "50ms")]
+    pub tpot_p99: String,
+    /// Queue share of TTFT at or above this means queueing (0–1).
+    #[arg(long, default_value_t = 0.5)]
+    pub queue_share: f64,
+    /// Short requests beside long prefills / alone, P50 TTFT ratio meaning starvation.
+    #[arg(long, default_value_t = 2.0)]
+    pub starvation_ratio: f64,
+    /// Fewest samples per compared group (starvation check, token trend).
+    #[arg(long, default_value_t = 10)]
+    pub min_samples: usize,
+    /// KV-cache usage P90 at or above this is "near full" (0–1).
+    #[arg(long, default_value_t = 0.9)]
+    pub kv_high: f64,
+    /// Running requests (P50 at arrival) at or below this is a small batch.
+    #[arg(long, default_value_t = 4.0)]
+    pub small_batch: f64,
+    /// P99 gateway overhead above this is a problem.
+    #[arg(long, default_value = "50ms")]
+    pub gateway_overhead_p99: String,
+    /// P99 upstream connect/transfer time above this is a problem.
+    #[arg(long, default_value = "500ms")]
+    pub network_p99: String,
+}
+
+fn ms(s: &str, flag: &str) -> Result<f64> {
+    Ok(crate::duration::parse(s)
+        .with_context(|| format!("{flag} {s:?}"))?
+        .as_secs_f64()
+        * 1000.0)
 }
 
 /// Runs the command.
 pub fn run(args: DiagnoseArgs) -> Result<()> {
-    let _input = Input::load(&args.common)?;
-    bail!("tokenscope diagnose is not built yet")
+    let opts = DiagnoseOptions {
+        min_success_rate: args.min_success_rate,
+        ttft_p99_ms: ms(&args.ttft_p99, "--ttft-p99")?,
+        tpot_p99_ms: ms(&args.tpot_p99, "--tpot-p99")?,
+        queue_share: args.queue_share,
+        starvation_ratio: args.starvation_ratio,
+        min_samples: args.min_samples,
+        kv_high: args.kv_high,
+        small_batch: args.small_batch,
+        gateway_overhead_p99_ms: ms(&args.gateway_overhead_p99, "--gateway-overhead-p99")?,
+        network_p99_ms: ms(&args.network_p99, "--network-p99")?,
+        ..DiagnoseOptions::default()
+    };
+    let input = Input::load(&args.common)?;
+    let report = diagnose(&input.records, input.window, &opts);
+    print!("{}", report.render(input.format));
+    Ok(())
 }

@@ -3,9 +3,6 @@
 //! ClickHouse (same rows, same order on both), run a pure analysis from
 //! `tokenscope-analysis`, print a table or JSON.
 
-// Scaffolding while the commands are being filled in; removed at integration.
-#![allow(dead_code)]
-
 pub mod anomalies;
 pub mod budget;
 pub mod capacity;

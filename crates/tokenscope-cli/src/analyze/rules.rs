@@ -1,12 +1,19 @@
 //! `tokenscope export …`: configuration for other systems (Prometheus alerting and recording
-//! rules).
+//! rules). Thresholds come from `[alerts.thresholds]` of the gateway config given with
+//! `--config` (else the defaults), so the exported rules and the gateway's own alerting agree.
 
-use anyhow::{bail, Result};
+use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
+use std::io::Write;
+use std::path::PathBuf;
 
 /// `tokenscope export` options.
 #[derive(Args, Debug)]
 pub struct ExportArgs {
+    /// Gateway config file whose `[alerts.thresholds]` set the thresholds (TOKENSCOPE_*
+    /// environment overrides apply as for `serve`).
+    #[arg(long, global = true)]
+    pub config: Option<PathBuf>,
     /// What to export.
     #[command(subcommand)]
     pub what: ExportWhat,
@@ -22,6 +29,15 @@ pub enum ExportWhat {
 /// Runs the command.
 pub fn run(args: ExportArgs) -> Result<()> {
     match args.what {
-        ExportWhat::PrometheusRules => bail!("tokenscope export prometheus-rules is not built yet"),
+        ExportWhat::PrometheusRules => {
+            let cfg = tokenscope_gateway::GatewayConfig::load(args.config.as_deref())
+                .context("loading the gateway config")?;
+            let yaml = tokenscope_analysis::rules::prometheus_rules(&cfg.alerts.thresholds);
+            let mut out = std::io::stdout().lock();
+            out.write_all(yaml.as_bytes())
+                .and_then(|()| out.flush())
+                .context("writing the rules to stdout")?;
+            Ok(())
+        }
     }
 }

@@ -1,8 +1,12 @@
-//! `tokenscope waste`.
+//! `tokenscope waste`: duplicate prompts, truncated and overlong outputs (suggested
+//! `max_tokens` per request type), bloated prompts, total estimated saving (method in
+//! `tokenscope_analysis::waste` and `docs/analysis.md`).
 
 use super::{CommonArgs, Input};
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
+use tokenscope_analysis::waste::{waste, WasteOptions};
+use tokenscope_analysis::Report;
 
 /// `tokenscope waste` options.
 #[derive(Args, Debug)]
@@ -10,10 +14,31 @@ pub struct WasteArgs {
     /// Store, window, format, config.
     #[command(flatten)]
     pub common: CommonArgs,
+    /// Minimum requests of a request type for the output-length and bloat statistics.
+    #[arg(long, default_value_t = 20)]
+    pub min_samples: usize,
+    /// An output is overlong above this many times its request type's median.
+    #[arg(long, default_value_t = 4.0)]
+    pub overlong_factor: f64,
+    /// Bloated prompts: ln(input/output) above Q3 + max(k × IQR, ln 2).
+    #[arg(long, default_value_t = 3.0)]
+    pub bloat_iqr_k: f64,
+    /// Duplicate prompts listed.
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
 }
 
 /// Runs the command.
 pub fn run(args: WasteArgs) -> Result<()> {
-    let _input = Input::load(&args.common)?;
-    bail!("tokenscope waste is not built yet")
+    let input = Input::load(&args.common)?;
+    let opts = WasteOptions {
+        min_samples: args.min_samples,
+        overlong_factor: args.overlong_factor,
+        bloat_iqr_k: args.bloat_iqr_k,
+        top: args.top,
+    };
+    opts.validate()?;
+    let report = waste(&input.records, input.window, &input.prices(), &opts);
+    print!("{}", report.render(input.format));
+    Ok(())
 }

@@ -1,0 +1,548 @@
+//! `tokenscope cost`: tokens and cost grouped by one or more dimensions, with shares of the
+//! total and the trend against the previous window of the same length.
+//!
+//! Method:
+//! * A record's cost is its stored `cost_usd` (priced by the gateway when the request
+//!   finished) when present; otherwise it is computed from the current price table with
+//!   [`PriceTable::costs`] over the records of the window (self-hosted models: the window's
+//!   GPU cost spread over the tokens they served in the window). A record of a model with no
+//!   price has no cost; its model is listed in `unpriced_models`.
+//! * Tokens = input + output (cached tokens are part of input and shown separately).
+//! * Groups are keyed by the values of the `--by` dimensions (missing → `"(none)"`); the
+//!   previous window is grouped the same way and joined by key.
+//! * Shares are fractions (0–1) of the window's totals; `change_pct` is
+//!   `(current − previous) / previous × 100`, `null` when the previous value is 0.
+//!
+//! Invariants: the groups partition the records (their sums are the totals); the order is
+//! cost desc, tokens desc, then key asc, so the JSON is deterministic.
+
+use crate::{total_tokens, AnalysisError, PriceTable, Report, Window};
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use tokenscope_core::RequestRecord;
+
+/// A grouping dimension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Dimension {
+    /// `business_line`.
+    BusinessLine,
+    /// `tenant`.
+    Tenant,
+    /// `user_id`.
+    User,
+    /// `model`.
+    Model,
+    /// `request_type`.
+    RequestType,
+}
+
+impl Dimension {
+    /// The dimension's name (as accepted by [`Dimension::parse_list`]).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dimension::BusinessLine => "business_line",
+            Dimension::Tenant => "tenant",
+            Dimension::User => "user",
+            Dimension::Model => "model",
+            Dimension::RequestType => "request_type",
+        }
+    }
+
+    /// Parses a comma-separated list (`business_line,model`).
+    pub fn parse_list(s: &str) -> Result<Vec<Dimension>, AnalysisError> {
+        let mut out = Vec::new();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let d = match part {
+                "business_line" => Dimension::BusinessLine,
+                "tenant" => Dimension::Tenant,
+                "user" | "user_id" => Dimension::User,
+                "model" => Dimension::Model,
+                "request_type" => Dimension::RequestType,
+                other => {
+                    return Err(AnalysisError::InvalidOption(format!(
+                        "--by {other:?}: use business_line, tenant, user, model or request_type"
+                    )))
+                }
+            };
+            if !out.contains(&d) {
+                out.push(d);
+            }
+        }
+        if out.is_empty() {
+            return Err(AnalysisError::InvalidOption("--by is empty".into()));
+        }
+        Ok(out)
+    }
+
+    /// The value of this dimension in `r` (`"(none)"` when unset).
+    pub fn value(self, r: &RequestRecord) -> &str {
+        let v = match self {
+            Dimension::BusinessLine => r.business_line.as_deref(),
+            Dimension::Tenant => r.tenant.as_deref(),
+            Dimension::User => r.user_id.as_deref(),
+            Dimension::Model => Some(r.model.as_str()),
+            Dimension::RequestType => Some(r.request_type.as_str()),
+        };
+        v.unwrap_or(NONE)
+    }
+}
+
+/// The key value of an unset dimension.
+pub const NONE: &str = "(none)";
+
+/// Sums of one group (or of the whole window).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Usage {
+    /// Requests.
+    pub requests: u64,
+    /// Input tokens (cached included).
+    pub input_tokens: u64,
+    /// Cached input tokens.
+    pub cached_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// Input + output tokens.
+    pub tokens: u64,
+    /// USD of the priced records.
+    pub cost_usd: f64,
+    /// Records with no cost (unpriced model).
+    pub unpriced_requests: u64,
+}
+
+impl Usage {
+    fn add(&mut self, r: &RequestRecord, cost: Option<f64>) {
+        self.requests += 1;
+        self.input_tokens += r.input_tokens.unwrap_or(0);
+        self.cached_tokens += r.cached_tokens.unwrap_or(0);
+        self.output_tokens += r.output_tokens.unwrap_or(0);
+        self.tokens += total_tokens(r);
+        match cost {
+            Some(c) => self.cost_usd += c,
+            None => self.unpriced_requests += 1,
+        }
+    }
+}
+
+/// The trend of a group against the previous window.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Trend {
+    /// Tokens in the previous window.
+    pub previous_tokens: u64,
+    /// USD in the previous window.
+    pub previous_cost_usd: f64,
+    /// Requests in the previous window.
+    pub previous_requests: u64,
+    /// Token change, percent (`null` when the previous window had none).
+    pub tokens_change_pct: Option<f64>,
+    /// Cost change, percent (`null` when the previous window cost nothing).
+    pub cost_change_pct: Option<f64>,
+}
+
+fn change_pct(cur: f64, prev: f64) -> Option<f64> {
+    (prev > 0.0).then(|| (cur - prev) / prev * 100.0)
+}
+
+impl Trend {
+    fn of(cur: &Usage, prev: &Usage) -> Self {
+        Self {
+            previous_tokens: prev.tokens,
+            previous_cost_usd: prev.cost_usd,
+            previous_requests: prev.requests,
+            tokens_change_pct: change_pct(cur.tokens as f64, prev.tokens as f64),
+            cost_change_pct: change_pct(cur.cost_usd, prev.cost_usd),
+        }
+    }
+}
+
+/// One group of the report.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CostGroup {
+    /// Dimension name → value (one entry per `--by` dimension).
+    pub key: BTreeMap<String, String>,
+    /// Sums in the window.
+    #[serde(flatten)]
+    pub usage: Usage,
+    /// Fraction of the window's tokens (0–1).
+    pub token_share: f64,
+    /// Fraction of the window's cost (0–1; 0 when nothing cost anything).
+    pub cost_share: f64,
+    /// Against the previous window.
+    pub trend: Trend,
+}
+
+/// The `tokenscope cost` report.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CostReport {
+    /// The analysed window.
+    pub window: Window,
+    /// The previous window (same length) used for trends.
+    pub previous_window: Window,
+    /// Grouping dimensions, in order.
+    pub by: Vec<Dimension>,
+    /// Groups: cost desc, tokens desc, key asc.
+    pub groups: Vec<CostGroup>,
+    /// Sums of the window.
+    pub total: Usage,
+    /// Trend of the totals.
+    pub total_trend: Trend,
+    /// Groups present only in the previous window (their key and previous usage).
+    pub vanished: Vec<VanishedGroup>,
+    /// Models of the window with no price (sorted).
+    pub unpriced_models: Vec<String>,
+    /// Records whose cost came from the stored `cost_usd` column.
+    pub records_with_stored_cost: u64,
+    /// Records whose cost was computed from the current price table.
+    pub records_with_computed_cost: u64,
+}
+
+/// A group of the previous window absent from the current one.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct VanishedGroup {
+    /// Dimension name → value.
+    pub key: BTreeMap<String, String>,
+    /// Its usage in the previous window.
+    pub previous: Usage,
+}
+
+/// Per-record costs: stored `cost_usd` first, else the price table (see the module docs).
+/// Returns the costs and the number of stored ones.
+pub fn record_costs(
+    records: &[RequestRecord],
+    prices: &PriceTable,
+    window: Window,
+) -> (Vec<Option<f64>>, u64) {
+    let computed = prices.costs(records, window.seconds());
+    let mut stored = 0;
+    let costs = records
+        .iter()
+        .zip(computed)
+        .map(|(r, c)| match r.cost_usd {
+            Some(s) => {
+                stored += 1;
+                Some(s)
+            }
+            None => c,
+        })
+        .collect();
+    (costs, stored)
+}
+
+fn group(
+    records: &[RequestRecord],
+    costs: &[Option<f64>],
+    by: &[Dimension],
+) -> BTreeMap<Vec<String>, Usage> {
+    let mut groups: BTreeMap<Vec<String>, Usage> = BTreeMap::new();
+    for (r, c) in records.iter().zip(costs) {
+        let key: Vec<String> = by.iter().map(|d| d.value(r).to_owned()).collect();
+        groups.entry(key).or_default().add(r, *c);
+    }
+    groups
+}
+
+fn key_map(by: &[Dimension], key: &[String]) -> BTreeMap<String, String> {
+    by.iter()
+        .zip(key)
+        .map(|(d, v)| (d.as_str().to_owned(), v.clone()))
+        .collect()
+}
+
+/// Computes the report: `records` of `window`, `previous` of `previous_window`.
+pub fn analyze(
+    records: &[RequestRecord],
+    window: Window,
+    previous: &[RequestRecord],
+    previous_window: Window,
+    prices: &PriceTable,
+    by: &[Dimension],
+) -> CostReport {
+    let (costs, stored) = record_costs(records, prices, window);
+    let (prev_costs, _) = record_costs(previous, prices, previous_window);
+    let cur = group(records, &costs, by);
+    let mut prev = group(previous, &prev_costs, by);
+    let mut total = Usage::default();
+    for (r, c) in records.iter().zip(&costs) {
+        total.add(r, *c);
+    }
+    let mut prev_total = Usage::default();
+    for (r, c) in previous.iter().zip(&prev_costs) {
+        prev_total.add(r, *c);
+    }
+    let unpriced_models: BTreeSet<String> = records
+        .iter()
+        .zip(&costs)
+        .filter(|(_, c)| c.is_none())
+        .map(|(r, _)| r.model.clone())
+        .collect();
+    let share = |part: f64, whole: f64| if whole > 0.0 { part / whole } else { 0.0 };
+    let mut groups: Vec<(Vec<String>, CostGroup)> = cur
+        .into_iter()
+        .map(|(key, usage)| {
+            let p = prev.remove(&key).unwrap_or_default();
+            let g = CostGroup {
+                key: key_map(by, &key),
+                token_share: share(usage.tokens as f64, total.tokens as f64),
+                cost_share: share(usage.cost_usd, total.cost_usd),
+                trend: Trend::of(&usage, &p),
+                usage,
+            };
+            (key, g)
+        })
+        .collect();
+    groups.sort_by(|(ka, a), (kb, b)| {
+        b.usage
+            .cost_usd
+            .total_cmp(&a.usage.cost_usd)
+            .then(b.usage.tokens.cmp(&a.usage.tokens))
+            .then(ka.cmp(kb))
+    });
+    let vanished = prev
+        .into_iter()
+        .map(|(key, previous)| VanishedGroup {
+            key: key_map(by, &key),
+            previous,
+        })
+        .collect();
+    CostReport {
+        window,
+        previous_window,
+        by: by.to_vec(),
+        groups: groups.into_iter().map(|(_, g)| g).collect(),
+        total_trend: Trend::of(&total, &prev_total),
+        total,
+        vanished,
+        unpriced_models: unpriced_models.into_iter().collect(),
+        records_with_stored_cost: stored,
+        records_with_computed_cost: records.len() as u64 - stored,
+    }
+}
+
+fn pct(v: Option<f64>) -> String {
+    match v {
+        Some(v) => format!("{v:+.1}%"),
+        None => "n/a".into(),
+    }
+}
+
+impl Report for CostReport {
+    fn render_table(&self) -> String {
+        let mut header: Vec<&str> = self.by.iter().map(|d| d.as_str()).collect();
+        header.extend([
+            "requests",
+            "input",
+            "cached",
+            "output",
+            "tokens",
+            "token share",
+            "cost USD",
+            "cost share",
+            "prev tokens",
+            "Δ tokens",
+            "prev USD",
+            "Δ cost",
+        ]);
+        let mut t = crate::table(&header);
+        let row = |key: Vec<String>, u: &Usage, ts: f64, cs: f64, tr: &Trend| {
+            let mut cells = key;
+            cells.extend([
+                u.requests.to_string(),
+                u.input_tokens.to_string(),
+                u.cached_tokens.to_string(),
+                u.output_tokens.to_string(),
+                u.tokens.to_string(),
+                format!("{:.1}%", ts * 100.0),
+                format!("{:.4}", u.cost_usd),
+                format!("{:.1}%", cs * 100.0),
+                tr.previous_tokens.to_string(),
+                pct(tr.tokens_change_pct),
+                format!("{:.4}", tr.previous_cost_usd),
+                pct(tr.cost_change_pct),
+            ]);
+            cells
+        };
+        for g in &self.groups {
+            let key = self
+                .by
+                .iter()
+                .map(|d| g.key.get(d.as_str()).cloned().unwrap_or_default())
+                .collect();
+            t.add_row(row(key, &g.usage, g.token_share, g.cost_share, &g.trend));
+        }
+        let mut total_key = vec!["TOTAL".to_owned()];
+        total_key.resize(self.by.len(), String::new());
+        let (ts, cs) = (
+            if self.total.tokens > 0 { 1.0 } else { 0.0 },
+            if self.total.cost_usd > 0.0 { 1.0 } else { 0.0 },
+        );
+        t.add_row(row(total_key, &self.total, ts, cs, &self.total_trend));
+        let mut out = format!(
+            "Cost by {} over {:.0} s (previous window of the same length for Δ)\n{t}\n",
+            self.by
+                .iter()
+                .map(|d| d.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            self.window.seconds()
+        );
+        if !self.unpriced_models.is_empty() {
+            out.push_str(&format!(
+                "Unpriced models (no [[prices]] entry; cost not counted): {}\n",
+                self.unpriced_models.join(", ")
+            ));
+        }
+        out.push_str(&format!(
+            "Cost source: {} records priced at request time (cost_usd), {} from the current price table\n",
+            self.records_with_stored_cost, self.records_with_computed_cost
+        ));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ModelPrice;
+
+    fn rec(bl: Option<&str>, model: &str, input: u64, cached: u64, output: u64) -> RequestRecord {
+        RequestRecord {
+            business_line: bl.map(str::to_owned),
+            model: model.into(),
+            request_type: "chat".into(),
+            input_tokens: Some(input),
+            cached_tokens: Some(cached),
+            output_tokens: Some(output),
+            ..RequestRecord::default()
+        }
+    }
+
+    fn prices() -> PriceTable {
+        PriceTable::new(vec![ModelPrice {
+            model: "gpt".into(),
+            input_per_mtok: 2.0,
+            cached_input_per_mtok: Some(1.0),
+            output_per_mtok: 10.0,
+            gpu_hourly_usd: None,
+        }])
+    }
+
+    const W: Window = Window {
+        since_us: 3_600_000_000,
+        until_us: 7_200_000_000,
+    };
+
+    #[test]
+    fn groups_shares_trend_and_order() {
+        let mut stored = rec(Some("ads"), "gpt", 100, 0, 100);
+        stored.cost_usd = Some(0.5);
+        let cur = vec![
+            // search: 1M input (0.5M cached) + 0.1M output = 1.0 + 0.5 + 1.0 = $2.5
+            rec(Some("search"), "gpt", 1_000_000, 500_000, 100_000),
+            // ads: stored cost wins over the table.
+            stored,
+            rec(None, "local", 10, 0, 10),
+        ];
+        let prev = vec![
+            rec(Some("search"), "gpt", 500_000, 0, 50_000), // $1.5
+            rec(Some("gone"), "gpt", 1, 0, 1),
+        ];
+        let r = analyze(
+            &cur,
+            W,
+            &prev,
+            W.previous(),
+            &prices(),
+            &[Dimension::BusinessLine],
+        );
+        let keys: Vec<&str> = r
+            .groups
+            .iter()
+            .map(|g| g.key["business_line"].as_str())
+            .collect();
+        assert_eq!(keys, ["search", "ads", NONE]);
+        let s = &r.groups[0];
+        assert_eq!(s.usage.tokens, 1_100_000);
+        assert!((s.usage.cost_usd - 2.5).abs() < 1e-12);
+        assert!((s.cost_share - 2.5 / 3.0).abs() < 1e-12);
+        assert!((s.token_share - 1_100_000.0 / 1_100_220.0).abs() < 1e-12);
+        assert_eq!(s.trend.previous_tokens, 550_000);
+        assert!((s.trend.tokens_change_pct.expect("prev") - 100.0).abs() < 1e-9);
+        assert!((s.trend.cost_change_pct.expect("prev") - (2.5 / 1.5 - 1.0) * 100.0).abs() < 1e-9);
+        assert!((r.groups[1].usage.cost_usd - 0.5).abs() < 1e-12);
+        assert_eq!(r.groups[2].usage.unpriced_requests, 1);
+        assert_eq!(r.groups[2].trend.tokens_change_pct, None);
+        assert_eq!(r.unpriced_models, ["local"]);
+        assert_eq!(r.total.requests, 3);
+        assert!((r.total.cost_usd - 3.0).abs() < 1e-12);
+        assert_eq!(r.records_with_stored_cost, 1);
+        assert_eq!(r.records_with_computed_cost, 2);
+        assert_eq!(r.vanished.len(), 1);
+        assert_eq!(r.vanished[0].key["business_line"], "gone");
+        // JSON is deterministic and the table renders.
+        let a = r.render(crate::Format::Json);
+        assert_eq!(
+            a,
+            analyze(
+                &cur,
+                W,
+                &prev,
+                W.previous(),
+                &prices(),
+                &[Dimension::BusinessLine]
+            )
+            .render(crate::Format::Json)
+        );
+        assert!(r.render_table().contains("TOTAL"));
+    }
+
+    #[test]
+    fn nested_grouping_and_parse() {
+        assert_eq!(
+            Dimension::parse_list("business_line, model,model").expect("ok"),
+            [Dimension::BusinessLine, Dimension::Model]
+        );
+        assert!(Dimension::parse_list("color").is_err());
+        assert!(Dimension::parse_list("").is_err());
+        let cur = vec![
+            rec(Some("a"), "gpt", 10, 0, 0),
+            rec(Some("a"), "x", 10, 0, 0),
+            rec(Some("a"), "x", 10, 0, 0),
+        ];
+        let r = analyze(
+            &cur,
+            W,
+            &[],
+            W.previous(),
+            &prices(),
+            &[Dimension::BusinessLine, Dimension::Model],
+        );
+        assert_eq!(r.groups.len(), 2);
+        // gpt costs something, so it is first even with fewer tokens.
+        assert_eq!(r.groups[0].key["model"], "gpt");
+        assert_eq!(r.groups[1].usage.requests, 2);
+        assert_eq!(r.total_trend.tokens_change_pct, None);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn groups_partition_the_totals(
+            rows in proptest::collection::vec((0u8..4, 0u64..1000, 0u64..1000), 0..60)
+        ) {
+            let recs: Vec<RequestRecord> = rows
+                .iter()
+                .map(|(b, i, o)| rec(Some(["a", "b", "c", "d"][*b as usize]), if b % 2 == 0 { "gpt" } else { "x" }, *i, 0, *o))
+                .collect();
+            let r = analyze(&recs, W, &[], W.previous(), &prices(), &[Dimension::BusinessLine]);
+            let tokens: u64 = r.groups.iter().map(|g| g.usage.tokens).sum();
+            let reqs: u64 = r.groups.iter().map(|g| g.usage.requests).sum();
+            let cost: f64 = r.groups.iter().map(|g| g.usage.cost_usd).sum();
+            proptest::prop_assert_eq!(tokens, r.total.tokens);
+            proptest::prop_assert_eq!(reqs, recs.len() as u64);
+            proptest::prop_assert!((cost - r.total.cost_usd).abs() < 1e-9);
+            if r.total.tokens > 0 {
+                let share: f64 = r.groups.iter().map(|g| g.token_share).sum();
+                proptest::prop_assert!((share - 1.0).abs() < 1e-9);
+            }
+        }
+    }
+}

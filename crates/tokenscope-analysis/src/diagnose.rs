@@ -1,0 +1,1201 @@
+//! `tokenscope diagnose`: walks the article's decision tree over the records of a window and
+//! says, step by step, what is wrong, with the numbers it decided from.
+//!
+//! ## Method
+//!
+//! Five steps, in tree order. Each has a verdict (`ok`, `problem`, or `unknown` when the data
+//! it needs is missing), named evidence, the thresholds it compared against, the findings it
+//! made and the remedies for them:
+//!
+//! 1. **success** — `ok` outcomes / requests; problem below [`DiagnoseOptions::min_success_rate`];
+//!    the top error types with their counts.
+//! 2. **ttft** — nearest-rank P50/P99 of TTFT, overall and per input bucket; the queue share
+//!    of TTFT (Σ queue / Σ TTFT over rows having both) and the prefill share; concurrency from
+//!    the request intervals `[created_at, created_at + total]` (mean = Σ durations / window,
+//!    peak by a sweep). **Starvation check**: the *long* bucket is `2048+` when it has
+//!    requests, else `512-2048`; its requests' prefill intervals `[created_at, created_at +
+//!    TTFT]` are merged; a short request (`0-128`, `128-512`) *overlaps* when its own `[created_at,
+//!    created_at + TTFT]` intersects that union. When both groups have at least
+//!    [`DiagnoseOptions::min_samples`] requests and P50(overlapping) / P50(alone) ≥
+//!    [`DiagnoseOptions::starvation_ratio`], the finding is `starvation` ("long prompts starve
+//!    short ones") naming the long bucket. `queueing` when the queue share ≥
+//!    [`DiagnoseOptions::queue_share`]; `slow_ttft` when P99 TTFT > [`DiagnoseOptions::ttft_p99_ms`]
+//!    (with `prefill_bound` when the prefill share dominates instead). Any finding → problem.
+//! 3. **tpot** — P50/P99 of TPOT; decode share (Σ decode / Σ total); KV-cache usage at
+//!    arrival (P50/P90 of `engine_kv_usage`); batch size proxy (`engine_running` at arrival:
+//!    mean, P50, max); GPU memory bandwidth P50 when known. Problem when P99 TPOT >
+//!    [`DiagnoseOptions::tpot_p99_ms`]; the finding is `decode_kv_bound` when also KV P90 ≥
+//!    [`DiagnoseOptions::kv_high`] and the batch is small (P50 running ≤
+//!    [`DiagnoseOptions::small_batch`]), `memory_bandwidth_bound` when bandwidth P50 ≥ 0.8,
+//!    `decode_batch_bound` when the batch is large, else `slow_decode`.
+//! 4. **tokens** — top callers (`user_id`, else `tenant`, else `(unknown)`) by input + output
+//!    tokens with their share; tokens per request in the first vs the second half of the
+//!    window. Problem (`token_growth`) when the ratio ≥ [`DiagnoseOptions::token_growth_ratio`]
+//!    with enough samples in both halves. A dominant caller is reported, not judged.
+//! 5. **network** — P99 of `gateway_overhead_ms` and of an upstream connect/transfer proxy:
+//!    `upstream_headers_ms` for streamed requests (engines send headers before queueing), and
+//!    `upstream_headers_ms − (queue + prefill + decode)` (clamped at 0) for non-streamed ones
+//!    whose phases are known. Problem above [`DiagnoseOptions::gateway_overhead_p99_ms`] /
+//!    [`DiagnoseOptions::network_p99_ms`].
+//!
+//! The conclusion is the first problem step in tree order with its findings and remedies (the
+//! others are listed as `also`), or `healthy`. One exception: when the TTFT problem is
+//! queueing / slow TTFT *without* starvation and the TPOT step finds `decode_kv_bound`, the
+//! conclusion is the TPOT step — a full KV cache makes admission wait, so the queueing is a
+//! symptom of the KV cache, not a cause.
+//!
+//! ## Invariants
+//!
+//! * Pure and deterministic: the same records, options and window give byte-identical JSON
+//!   (maps are `BTreeMap`s, lists have a defined order, ties broken by name).
+//! * Percentiles are exact nearest-rank (`P(q) = x_k`, `k = ⌈q·n⌉`), never interpolated.
+//! * O(n log n) in the number of records.
+
+use crate::{table, total_tokens, Report, Window};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
+use tokenscope_core::{InputBucket, Outcome, RequestRecord};
+
+/// Thresholds of the decision tree (all overridable from the CLI).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DiagnoseOptions {
+    /// Success rate below this is a problem. Default 0.99.
+    pub min_success_rate: f64,
+    /// P99 TTFT above this (ms) is a problem. Default 2000.
+    pub ttft_p99_ms: f64,
+    /// Queue share of TTFT at or above this means queueing. Default 0.5.
+    pub queue_share: f64,
+    /// P50 TTFT of short requests beside long prefills / alone at or above this means
+    /// starvation. Default 2.0.
+    pub starvation_ratio: f64,
+    /// Fewest samples per compared group (starvation, token trend). Default 10.
+    pub min_samples: usize,
+    /// P99 TPOT above this (ms) is a problem. Default 50 (20 tokens/s per stream, the usual
+    /// floor for interactive chat).
+    pub tpot_p99_ms: f64,
+    /// KV-cache usage P90 at or above this is "near full". Default 0.9.
+    pub kv_high: f64,
+    /// Running requests (P50 at arrival) at or below this is a small batch. Default 4.
+    pub small_batch: f64,
+    /// Second-half / first-half tokens per request at or above this is abnormal growth.
+    /// Default 2.0.
+    pub token_growth_ratio: f64,
+    /// P99 gateway overhead above this (ms) is a problem. Default 50.
+    pub gateway_overhead_p99_ms: f64,
+    /// P99 upstream connect/transfer proxy above this (ms) is a problem. Default 500.
+    pub network_p99_ms: f64,
+    /// Callers listed in the tokens step. Default 5.
+    pub top_callers: usize,
+}
+
+impl Default for DiagnoseOptions {
+    fn default() -> Self {
+        Self {
+            min_success_rate: 0.99,
+            ttft_p99_ms: 2000.0,
+            queue_share: 0.5,
+            starvation_ratio: 2.0,
+            min_samples: 10,
+            tpot_p99_ms: 50.0,
+            kv_high: 0.9,
+            small_batch: 4.0,
+            token_growth_ratio: 2.0,
+            gateway_overhead_p99_ms: 50.0,
+            network_p99_ms: 500.0,
+            top_callers: 5,
+        }
+    }
+}
+
+/// A step's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Within thresholds.
+    Ok,
+    /// A threshold is crossed; see the findings.
+    Problem,
+    /// The data this step needs is missing.
+    Unknown,
+}
+
+impl Verdict {
+    fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Ok => "ok",
+            Verdict::Problem => "problem",
+            Verdict::Unknown => "unknown",
+        }
+    }
+}
+
+/// One step of the tree.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Step {
+    /// `success`, `ttft`, `tpot`, `tokens`, `network`.
+    pub step: String,
+    /// The verdict.
+    pub verdict: Verdict,
+    /// Machine-readable findings (e.g. `starvation`, `queueing`, `decode_kv_bound`).
+    pub findings: Vec<String>,
+    /// One sentence saying what was found.
+    pub summary: String,
+    /// Named numbers the verdict was decided from.
+    pub evidence: BTreeMap<String, Value>,
+    /// The thresholds compared against.
+    pub thresholds: BTreeMap<String, f64>,
+    /// What to do about the findings.
+    pub remedies: Vec<String>,
+}
+
+/// The end of the walk.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Conclusion {
+    /// `problem` or `healthy`.
+    pub verdict: String,
+    /// The first problem step in tree order.
+    pub step: Option<String>,
+    /// Its findings.
+    pub findings: Vec<String>,
+    /// Its summary (or "healthy").
+    pub summary: String,
+    /// Its remedies.
+    pub remedies: Vec<String>,
+    /// Other problem steps, in tree order.
+    pub also: Vec<String>,
+}
+
+/// The `tokenscope diagnose` report.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DiagnoseReport {
+    /// The analysed window.
+    pub window: Window,
+    /// Records analysed.
+    pub requests: u64,
+    /// The steps, in tree order.
+    pub steps: Vec<Step>,
+    /// The conclusion.
+    pub conclusion: Conclusion,
+}
+
+/// Exact nearest-rank percentile of `sorted` (ascending): `x_k`, `k = ⌈q·n⌉` (1 ≤ k ≤ n),
+/// `q` taken in millionths so exact ranks have no floating-point off-by-one.
+pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let n = sorted.len();
+    let q_ppm = (q.clamp(0.0, 1.0) * 1e6).round() as u128;
+    let k = ((q_ppm * n as u128).div_ceil(1_000_000) as usize).clamp(1, n);
+    sorted.get(k - 1).copied()
+}
+
+/// The finite values of `it`, sorted ascending.
+pub fn sorted_values(it: impl Iterator<Item = Option<f64>>) -> Vec<f64> {
+    let mut v: Vec<f64> = it.flatten().filter(|x| x.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+/// Rounds to 4 decimals for readable, stable JSON.
+pub(crate) fn r4(x: f64) -> f64 {
+    (x * 1e4).round() / 1e4
+}
+
+fn num(x: Option<f64>) -> Value {
+    match x {
+        Some(v) if v.is_finite() => json!(r4(v)),
+        _ => Value::Null,
+    }
+}
+
+fn ratio(a: f64, b: f64) -> Option<f64> {
+    (b > 0.0).then(|| a / b)
+}
+
+struct StepBuilder {
+    step: Step,
+}
+
+impl StepBuilder {
+    fn new(name: &str) -> Self {
+        Self {
+            step: Step {
+                step: name.to_owned(),
+                verdict: Verdict::Ok,
+                findings: Vec::new(),
+                summary: String::new(),
+                evidence: BTreeMap::new(),
+                thresholds: BTreeMap::new(),
+                remedies: Vec::new(),
+            },
+        }
+    }
+    fn ev(&mut self, k: &str, v: Value) {
+        self.step.evidence.insert(k.to_owned(), v);
+    }
+    fn th(&mut self, k: &str, v: f64) {
+        self.step.thresholds.insert(k.to_owned(), v);
+    }
+    fn find(&mut self, f: &str, remedies: &[String]) {
+        self.step.verdict = Verdict::Problem;
+        self.step.findings.push(f.to_owned());
+        for r in remedies {
+            if !self.step.remedies.contains(r) {
+                self.step.remedies.push(r.clone());
+            }
+        }
+    }
+}
+
+/// Runs the decision tree over `records` (those inside `window` are used).
+pub fn diagnose(
+    records: &[RequestRecord],
+    window: Window,
+    opts: &DiagnoseOptions,
+) -> DiagnoseReport {
+    let recs: Vec<&RequestRecord> = records
+        .iter()
+        .filter(|r| window.contains(r.created_at))
+        .collect();
+    let steps = vec![
+        success_step(&recs, opts),
+        ttft_step(&recs, window, opts),
+        tpot_step(&recs, opts),
+        tokens_step(&recs, window, opts),
+        network_step(&recs, opts),
+    ];
+    let problems: Vec<&Step> = steps
+        .iter()
+        .filter(|s| s.verdict == Verdict::Problem)
+        .collect();
+    // A full KV cache makes admission wait: queueing / slow TTFT without starvation is then
+    // a symptom, and the TPOT step holds the root cause.
+    let kv_root = problems
+        .first()
+        .is_some_and(|s| s.step == "ttft" && !s.findings.iter().any(|f| f == "starvation"))
+        && problems
+            .iter()
+            .any(|s| s.step == "tpot" && s.findings.iter().any(|f| f == "decode_kv_bound"));
+    let chosen = if kv_root {
+        problems.iter().find(|s| s.step == "tpot").copied()
+    } else {
+        problems.first().copied()
+    };
+    let conclusion = match chosen {
+        Some(first) => Conclusion {
+            verdict: "problem".to_owned(),
+            step: Some(first.step.clone()),
+            findings: first.findings.clone(),
+            summary: if kv_root {
+                format!(
+                    "{} (the TTFT queueing is a consequence: admission waits for KV-cache room)",
+                    first.summary
+                )
+            } else {
+                first.summary.clone()
+            },
+            remedies: first.remedies.clone(),
+            also: problems
+                .iter()
+                .filter(|s| s.step != first.step)
+                .map(|s| s.step.clone())
+                .collect(),
+        },
+        None => Conclusion {
+            verdict: "healthy".to_owned(),
+            step: None,
+            findings: Vec::new(),
+            summary: if recs.is_empty() {
+                "no requests in the window".to_owned()
+            } else {
+                "healthy: every step is within its thresholds".to_owned()
+            },
+            remedies: Vec::new(),
+            also: Vec::new(),
+        },
+    };
+    DiagnoseReport {
+        window,
+        requests: recs.len() as u64,
+        steps,
+        conclusion,
+    }
+}
+
+fn success_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
+    let mut b = StepBuilder::new("success");
+    b.th("min_success_rate", opts.min_success_rate);
+    let n = recs.len();
+    b.ev("requests", json!(n));
+    if n == 0 {
+        b.step.verdict = Verdict::Unknown;
+        b.step.summary = "no requests".to_owned();
+        return b.step;
+    }
+    let ok = recs.iter().filter(|r| r.outcome == Outcome::Ok).count();
+    let rate = ok as f64 / n as f64;
+    b.ev("ok", json!(ok));
+    b.ev("success_rate", num(Some(rate)));
+    let mut outcomes: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut errors: HashMap<String, u64> = HashMap::new();
+    for r in recs.iter().filter(|r| r.outcome != Outcome::Ok) {
+        *outcomes.entry(r.outcome.as_str()).or_default() += 1;
+        let e = r
+            .error_type
+            .clone()
+            .unwrap_or_else(|| r.outcome.as_str().to_owned());
+        *errors.entry(e).or_default() += 1;
+    }
+    let mut top: Vec<(String, u64)> = errors.into_iter().collect();
+    top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    top.truncate(5);
+    b.ev("outcomes", json!(outcomes));
+    b.ev(
+        "top_error_types",
+        Value::Array(
+            top.iter()
+                .map(|(e, c)| json!({"error_type": e, "count": c}))
+                .collect(),
+        ),
+    );
+    if rate < opts.min_success_rate {
+        let worst = top.first().map_or("unknown", |t| t.0.as_str()).to_owned();
+        b.find(
+            "low_success_rate",
+            &[
+                format!("fix the top error type first: {worst}"),
+                "timeouts / 429 / 5xx under load mean the engine is saturated: add capacity or limit concurrency at the gateway".to_owned(),
+                "client errors (4xx) point at callers: check request validation and context-length limits".to_owned(),
+            ],
+        );
+        b.step.summary = format!(
+            "success rate {:.2}% < {:.2}%; top error type {worst}",
+            rate * 100.0,
+            opts.min_success_rate * 100.0
+        );
+    } else {
+        b.step.summary = format!("success rate {:.2}%", rate * 100.0);
+    }
+    b.step
+}
+
+/// Merges `[start, end]` intervals sorted by start into disjoint ones.
+fn merge(mut iv: Vec<(i64, i64)>) -> Vec<(i64, i64)> {
+    iv.sort_unstable();
+    let mut out: Vec<(i64, i64)> = Vec::with_capacity(iv.len());
+    for (s, e) in iv {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+/// Whether `[s, e]` intersects one of the disjoint, sorted `merged` intervals.
+fn overlaps(merged: &[(i64, i64)], s: i64, e: i64) -> bool {
+    // First interval whose end ≥ s.
+    let i = merged.partition_point(|iv| iv.1 < s);
+    merged.get(i).is_some_and(|iv| iv.0 <= e)
+}
+
+fn ms_to_us(ms: f64) -> i64 {
+    (ms * 1000.0).round() as i64
+}
+
+fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) -> Step {
+    let mut b = StepBuilder::new("ttft");
+    b.th("ttft_p99_ms", opts.ttft_p99_ms);
+    b.th("queue_share", opts.queue_share);
+    b.th("starvation_ratio", opts.starvation_ratio);
+    b.th("min_samples", opts.min_samples as f64);
+    let with: Vec<&&RequestRecord> = recs.iter().filter(|r| r.ttft_ms.is_some()).collect();
+    b.ev("requests_with_ttft", json!(with.len()));
+    // Concurrency from request intervals.
+    let mut events: Vec<(i64, i32)> = Vec::with_capacity(recs.len() * 2);
+    let mut busy_us = 0f64;
+    for r in recs {
+        let end = r.created_at + ms_to_us(r.total_duration_ms.max(0.0));
+        events.push((r.created_at, 1));
+        events.push((end, -1));
+        busy_us += r.total_duration_ms.max(0.0) * 1000.0;
+    }
+    events.sort_unstable();
+    let (mut cur, mut peak) = (0i64, 0i64);
+    for (_, d) in &events {
+        cur += i64::from(*d);
+        peak = peak.max(cur);
+    }
+    b.ev(
+        "concurrency_mean",
+        num(Some(busy_us / (window.seconds() * 1e6))),
+    );
+    b.ev("concurrency_peak", json!(peak));
+    if with.is_empty() {
+        b.step.verdict = Verdict::Unknown;
+        b.step.summary = "no request has a TTFT (none streamed?)".to_owned();
+        return b.step;
+    }
+    let all = sorted_values(with.iter().map(|r| r.ttft_ms));
+    let p50 = percentile(&all, 0.5);
+    let p99 = percentile(&all, 0.99);
+    b.ev("ttft_p50_ms", num(p50));
+    b.ev("ttft_p99_ms", num(p99));
+    let mut per_bucket = BTreeMap::new();
+    for bucket in InputBucket::ALL {
+        let v = sorted_values(
+            with.iter()
+                .filter(|r| r.input_bucket == Some(bucket))
+                .map(|r| r.ttft_ms),
+        );
+        if !v.is_empty() {
+            per_bucket.insert(
+                bucket.as_str(),
+                json!({"n": v.len(), "p50_ms": num(percentile(&v, 0.5)), "p99_ms": num(percentile(&v, 0.99))}),
+            );
+        }
+    }
+    b.ev("per_bucket", json!(per_bucket));
+    // Shares.
+    let (mut q_sum, mut qt_sum, mut p_sum, mut pt_sum) = (0.0, 0.0, 0.0, 0.0);
+    for r in &with {
+        let t = r.ttft_ms.unwrap_or(0.0);
+        if let Some(q) = r.queue_duration_ms {
+            q_sum += q;
+            qt_sum += t;
+        }
+        if let Some(p) = r.prefill_duration_ms {
+            p_sum += p;
+            pt_sum += t;
+        }
+    }
+    let queue_share = ratio(q_sum, qt_sum);
+    let prefill_share = ratio(p_sum, pt_sum);
+    b.ev("queue_share", num(queue_share));
+    b.ev("prefill_share", num(prefill_share));
+
+    // Starvation.
+    let long_bucket = if with
+        .iter()
+        .any(|r| r.input_bucket == Some(InputBucket::B2048Plus))
+    {
+        Some(InputBucket::B2048Plus)
+    } else if with
+        .iter()
+        .any(|r| r.input_bucket == Some(InputBucket::B512To2048))
+    {
+        Some(InputBucket::B512To2048)
+    } else {
+        None
+    };
+    let mut starvation = None;
+    if let Some(lb) = long_bucket {
+        let long_iv: Vec<(i64, i64)> = with
+            .iter()
+            .filter(|r| r.input_bucket == Some(lb))
+            .map(|r| {
+                (
+                    r.created_at,
+                    r.created_at + ms_to_us(r.ttft_ms.unwrap_or(0.0)),
+                )
+            })
+            .collect();
+        let merged = merge(long_iv);
+        let (mut beside, mut alone) = (Vec::new(), Vec::new());
+        for r in with.iter().filter(|r| {
+            matches!(
+                r.input_bucket,
+                Some(InputBucket::B0To128 | InputBucket::B128To512)
+            )
+        }) {
+            let t = r.ttft_ms.unwrap_or(0.0);
+            if overlaps(&merged, r.created_at, r.created_at + ms_to_us(t)) {
+                beside.push(t);
+            } else {
+                alone.push(t);
+            }
+        }
+        beside.sort_by(f64::total_cmp);
+        alone.sort_by(f64::total_cmp);
+        let pb = percentile(&beside, 0.5);
+        let pa = percentile(&alone, 0.5);
+        let rat = match (pb, pa) {
+            (Some(x), Some(y)) if y > 0.0 => Some(x / y),
+            _ => None,
+        };
+        b.ev("long_bucket", json!(lb.as_str()));
+        b.ev("short_beside_long_n", json!(beside.len()));
+        b.ev("short_beside_long_ttft_p50_ms", num(pb));
+        b.ev("short_alone_n", json!(alone.len()));
+        b.ev("short_alone_ttft_p50_ms", num(pa));
+        b.ev("starvation_ratio", num(rat));
+        let enough = beside.len() >= opts.min_samples && alone.len() >= opts.min_samples;
+        if enough && rat.is_some_and(|x| x >= opts.starvation_ratio) {
+            starvation = Some((lb, rat.unwrap_or(0.0)));
+        }
+    }
+    let queueing = queue_share.is_some_and(|s| s >= opts.queue_share);
+    let slow = p99.is_some_and(|x| x > opts.ttft_p99_ms);
+    let isolate = |lb: &str| {
+        format!("isolation: route {lb} prompts to a separate pool / replica (or a separate priority class) so short requests never share a batch with them")
+    };
+    let cap = "cap prefill per step: chunked prefill with a smaller token budget (vLLM max_num_batched_tokens, SGLang chunked_prefill_size, llama.cpp --ubatch-size)".to_owned();
+    let limit = "limit concurrency at the gateway (admission control per caller / per request class) or add replicas".to_owned();
+    let mut parts = Vec::new();
+    if let Some((lb, rat)) = starvation {
+        b.find(
+            "starvation",
+            &[isolate(lb.as_str()), cap.clone(), limit.clone()],
+        );
+        parts.push(format!(
+            "long prompts starve short ones: short requests overlapping {} prefills have {:.1}x the P50 TTFT of the others",
+            lb.as_str(),
+            rat
+        ));
+    }
+    if queueing {
+        b.find("queueing", &[limit.clone(), cap.clone()]);
+        parts.push(format!(
+            "queueing: {:.0}% of TTFT is spent waiting in the engine queue",
+            queue_share.unwrap_or(0.0) * 100.0
+        ));
+    }
+    if slow {
+        let prefill_bound = !queueing && prefill_share.is_some_and(|s| s >= 0.5);
+        if prefill_bound {
+            b.find(
+                "prefill_bound",
+                &[
+                    "prefix caching for shared system prompts / conversation history".to_owned(),
+                    "shorter prompts (trim history, fewer retrieved chunks)".to_owned(),
+                    cap.clone(),
+                ],
+            );
+        } else {
+            b.find("slow_ttft", std::slice::from_ref(&limit));
+        }
+        parts.push(format!(
+            "P99 TTFT {:.0} ms > {:.0} ms",
+            p99.unwrap_or(0.0),
+            opts.ttft_p99_ms
+        ));
+    }
+    b.step.summary = if parts.is_empty() {
+        format!(
+            "P50 {:.1} ms, P99 {:.1} ms; no queueing or starvation",
+            p50.unwrap_or(0.0),
+            p99.unwrap_or(0.0)
+        )
+    } else {
+        parts.join("; ")
+    };
+    b.step
+}
+
+fn tpot_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
+    let mut b = StepBuilder::new("tpot");
+    b.th("tpot_p99_ms", opts.tpot_p99_ms);
+    b.th("kv_high", opts.kv_high);
+    b.th("small_batch", opts.small_batch);
+    let tpot = sorted_values(recs.iter().map(|r| r.tpot_ms));
+    b.ev("requests_with_tpot", json!(tpot.len()));
+    let kv = sorted_values(recs.iter().map(|r| r.engine_kv_usage));
+    let running = sorted_values(recs.iter().map(|r| r.engine_running));
+    let bw = sorted_values(recs.iter().map(|r| r.gpu_memory_bandwidth));
+    let (mut dec, mut tot) = (0.0, 0.0);
+    for r in recs {
+        if let Some(d) = r.decode_duration_ms {
+            dec += d;
+            tot += r.total_duration_ms;
+        }
+    }
+    b.ev("decode_share", num(ratio(dec, tot)));
+    b.ev("kv_usage_n", json!(kv.len()));
+    b.ev("kv_usage_p50", num(percentile(&kv, 0.5)));
+    b.ev("kv_usage_p90", num(percentile(&kv, 0.9)));
+    let run_mean =
+        (!running.is_empty()).then(|| running.iter().sum::<f64>() / running.len() as f64);
+    b.ev("running_mean", num(run_mean));
+    b.ev("running_p50", num(percentile(&running, 0.5)));
+    b.ev("running_max", num(running.last().copied()));
+    b.ev("gpu_memory_bandwidth_p50", num(percentile(&bw, 0.5)));
+    if tpot.is_empty() {
+        b.step.verdict = Verdict::Unknown;
+        b.step.summary = "no request has a TPOT (none streamed ≥ 2 tokens?)".to_owned();
+        return b.step;
+    }
+    let p50 = percentile(&tpot, 0.5);
+    let p99 = percentile(&tpot, 0.99);
+    b.ev("tpot_p50_ms", num(p50));
+    b.ev("tpot_p99_ms", num(p99));
+    let p99v = p99.unwrap_or(0.0);
+    if p99v <= opts.tpot_p99_ms {
+        b.step.summary = format!(
+            "P50 {:.1} ms, P99 {:.1} ms ≤ {:.0} ms",
+            p50.unwrap_or(0.0),
+            p99v,
+            opts.tpot_p99_ms
+        );
+        return b.step;
+    }
+    let kv90 = percentile(&kv, 0.9);
+    let run50 = percentile(&running, 0.5);
+    let kv_full = kv90.is_some_and(|k| k >= opts.kv_high);
+    let small = run50.is_some_and(|r| r <= opts.small_batch);
+    let bw_high = percentile(&bw, 0.5).is_some_and(|x| x >= 0.8);
+    if kv_full && small {
+        b.find(
+            "decode_kv_bound",
+            &[
+                "more KV-cache memory: raise gpu_memory_utilization, shard across more GPUs (tensor parallel), or a GPU with more memory".to_owned(),
+                "KV-cache quantization (e.g. fp8 KV cache)".to_owned(),
+                "smaller maximum context (max_model_len) or trimmed conversation history".to_owned(),
+                "fewer concurrent long contexts: route or rate-limit long-context requests separately".to_owned(),
+                "prefix caching so shared prefixes hold KV once".to_owned(),
+            ],
+        );
+        b.step.summary = format!(
+            "decode bound by the KV cache: P99 TPOT {:.1} ms > {:.0} ms with KV usage P90 {:.2} ≥ {:.2} and small batches (P50 running {:.1} ≤ {:.0})",
+            p99v,
+            opts.tpot_p99_ms,
+            kv90.unwrap_or(0.0),
+            opts.kv_high,
+            run50.unwrap_or(0.0),
+            opts.small_batch
+        );
+    } else if bw_high {
+        b.find(
+            "memory_bandwidth_bound",
+            &[
+                "weight / KV quantization to move fewer bytes per token".to_owned(),
+                "speculative decoding".to_owned(),
+                "a GPU with more memory bandwidth, or more replicas".to_owned(),
+            ],
+        );
+        b.step.summary = format!(
+            "decode bound by GPU memory bandwidth: P99 TPOT {p99v:.1} ms > {:.0} ms",
+            opts.tpot_p99_ms
+        );
+    } else if run50.is_some_and(|r| r > opts.small_batch) {
+        b.find(
+            "decode_batch_bound",
+            &[
+                "batches are large: lower the maximum batch (max_num_seqs) for latency, or add replicas".to_owned(),
+                "speculative decoding".to_owned(),
+            ],
+        );
+        b.step.summary = format!(
+            "decode slowed by large batches: P99 TPOT {p99v:.1} ms > {:.0} ms, P50 running {:.1}",
+            opts.tpot_p99_ms,
+            run50.unwrap_or(0.0)
+        );
+    } else {
+        b.find(
+            "slow_decode",
+            &["check engine state (KV usage, batch size) and GPU metrics; enable the engine scrape and GPU telemetry".to_owned()],
+        );
+        b.step.summary = format!("P99 TPOT {p99v:.1} ms > {:.0} ms", opts.tpot_p99_ms);
+    }
+    b.step
+}
+
+fn caller(r: &RequestRecord) -> &str {
+    r.user_id
+        .as_deref()
+        .or(r.tenant.as_deref())
+        .unwrap_or("(unknown)")
+}
+
+fn tokens_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) -> Step {
+    let mut b = StepBuilder::new("tokens");
+    b.th("token_growth_ratio", opts.token_growth_ratio);
+    b.th("min_samples", opts.min_samples as f64);
+    if recs.is_empty() {
+        b.step.verdict = Verdict::Unknown;
+        b.step.summary = "no requests".to_owned();
+        return b.step;
+    }
+    let mut by: HashMap<&str, (u64, u64)> = HashMap::new();
+    let mut total = 0u64;
+    for r in recs {
+        let t = total_tokens(r);
+        total += t;
+        let e = by.entry(caller(r)).or_default();
+        e.0 += t;
+        e.1 += 1;
+    }
+    let mut top: Vec<(&str, (u64, u64))> = by.into_iter().collect();
+    top.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then_with(|| a.0.cmp(b.0)));
+    let callers = top.len();
+    top.truncate(opts.top_callers);
+    b.ev("total_tokens", json!(total));
+    b.ev("callers", json!(callers));
+    b.ev(
+        "top_callers",
+        Value::Array(
+            top.iter()
+                .map(|(c, (t, n))| {
+                    json!({"caller": c, "tokens": t, "requests": n,
+                           "share": num(ratio(*t as f64, total as f64))})
+                })
+                .collect(),
+        ),
+    );
+    let mid = window.since_us + (window.until_us - window.since_us) / 2;
+    let (mut t1, mut n1, mut t2, mut n2) = (0u64, 0usize, 0u64, 0usize);
+    for r in recs {
+        if r.created_at < mid {
+            t1 += total_tokens(r);
+            n1 += 1;
+        } else {
+            t2 += total_tokens(r);
+            n2 += 1;
+        }
+    }
+    let a1 = ratio(t1 as f64, n1 as f64);
+    let a2 = ratio(t2 as f64, n2 as f64);
+    let growth = match (a1, a2) {
+        (Some(x), Some(y)) if x > 0.0 => Some(y / x),
+        _ => None,
+    };
+    b.ev("tokens_per_request_first_half", num(a1));
+    b.ev("tokens_per_request_second_half", num(a2));
+    b.ev("tokens_per_request_growth", num(growth));
+    let enough = n1 >= opts.min_samples && n2 >= opts.min_samples;
+    if enough && growth.is_some_and(|g| g >= opts.token_growth_ratio) {
+        b.find(
+            "token_growth",
+            &[
+                "find the caller behind the growth: `tokenscope anomalies` (spikes, loops) and `tokenscope waste` (bloated prompts, duplicates)".to_owned(),
+                "set max_tokens and per-caller budgets".to_owned(),
+            ],
+        );
+        b.step.summary = format!(
+            "tokens per request grew {:.1}x between the window's halves",
+            growth.unwrap_or(0.0)
+        );
+    } else {
+        let lead = top
+            .first()
+            .map(|(c, (t, _))| format!("{c} {:.0}%", *t as f64 * 100.0 / (total.max(1)) as f64))
+            .unwrap_or_default();
+        b.step.summary =
+            format!("{total} tokens from {callers} caller(s) (top: {lead}); no abnormal growth");
+    }
+    b.step
+}
+
+fn network_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
+    let mut b = StepBuilder::new("network");
+    b.th("gateway_overhead_p99_ms", opts.gateway_overhead_p99_ms);
+    b.th("network_p99_ms", opts.network_p99_ms);
+    let gw = sorted_values(recs.iter().map(|r| r.gateway_overhead_ms));
+    let connect = sorted_values(recs.iter().map(|r| {
+        let h = r.upstream_headers_ms?;
+        if r.stream {
+            Some(h)
+        } else {
+            let engine = r.queue_duration_ms? + r.prefill_duration_ms? + r.decode_duration_ms?;
+            Some((h - engine).max(0.0))
+        }
+    }));
+    let gw99 = percentile(&gw, 0.99);
+    let c99 = percentile(&connect, 0.99);
+    b.ev("gateway_overhead_n", json!(gw.len()));
+    b.ev("gateway_overhead_p50_ms", num(percentile(&gw, 0.5)));
+    b.ev("gateway_overhead_p99_ms", num(gw99));
+    b.ev("upstream_connect_n", json!(connect.len()));
+    b.ev("upstream_connect_p50_ms", num(percentile(&connect, 0.5)));
+    b.ev("upstream_connect_p99_ms", num(c99));
+    if gw.is_empty() && connect.is_empty() {
+        b.step.verdict = Verdict::Unknown;
+        b.step.summary = "no gateway overhead or upstream header timing recorded".to_owned();
+        return b.step;
+    }
+    let mut parts = Vec::new();
+    if gw99.is_some_and(|x| x > opts.gateway_overhead_p99_ms) {
+        b.find(
+            "gateway_overhead",
+            &["gateway overhead is high: check the gateway host's CPU, entry tokenizer configuration and body sizes".to_owned()],
+        );
+        parts.push(format!(
+            "gateway overhead P99 {:.1} ms > {:.0} ms",
+            gw99.unwrap_or(0.0),
+            opts.gateway_overhead_p99_ms
+        ));
+    }
+    if c99.is_some_and(|x| x > opts.network_p99_ms) {
+        b.find(
+            "upstream_network",
+            &["upstream connect/transfer is slow: keep-alive connection pools, co-locate the gateway with the engines, check DNS/TLS".to_owned()],
+        );
+        parts.push(format!(
+            "upstream connect/transfer P99 {:.1} ms > {:.0} ms",
+            c99.unwrap_or(0.0),
+            opts.network_p99_ms
+        ));
+    }
+    b.step.summary = if parts.is_empty() {
+        format!(
+            "gateway overhead P99 {:.2} ms, upstream connect P99 {:.2} ms",
+            gw99.unwrap_or(0.0),
+            c99.unwrap_or(0.0)
+        )
+    } else {
+        parts.join("; ")
+    };
+    b.step
+}
+
+/// The key evidence of a step for the table (all of it is in the JSON).
+fn evidence_line(s: &Step) -> String {
+    let keys: &[&str] = match s.step.as_str() {
+        "success" => &["requests", "success_rate"],
+        "ttft" => &[
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "queue_share",
+            "prefill_share",
+            "concurrency_peak",
+            "long_bucket",
+            "starvation_ratio",
+        ],
+        "tpot" => &[
+            "tpot_p50_ms",
+            "tpot_p99_ms",
+            "kv_usage_p90",
+            "running_p50",
+            "gpu_memory_bandwidth_p50",
+        ],
+        "tokens" => &["total_tokens", "callers", "tokens_per_request_growth"],
+        _ => &["gateway_overhead_p99_ms", "upstream_connect_p99_ms"],
+    };
+    keys.iter()
+        .filter_map(|k| {
+            let v = s.evidence.get(*k)?;
+            let text = match v {
+                Value::Null => return None,
+                Value::Number(n) => match n.as_f64() {
+                    Some(f) if f.fract() != 0.0 => format!("{f:.2}"),
+                    _ => n.to_string(),
+                },
+                Value::String(t) => t.clone(),
+                other => other.to_string(),
+            };
+            Some(format!("{k}={text}"))
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+impl Report for DiagnoseReport {
+    fn render_table(&self) -> String {
+        let mut t = table(&["step", "verdict", "finding", "evidence"]);
+        for s in &self.steps {
+            t.add_row(vec![
+                s.step.clone(),
+                s.verdict.as_str().to_owned(),
+                s.summary.clone(),
+                evidence_line(s),
+            ]);
+        }
+        let mut out = format!("{t}\n");
+        match &self.conclusion.step {
+            Some(step) => {
+                out.push_str(&format!(
+                    "Conclusion: problem at step {step} ({}): {}\n",
+                    self.conclusion.findings.join(", "),
+                    self.conclusion.summary
+                ));
+                if !self.conclusion.remedies.is_empty() {
+                    out.push_str("Remedies:\n");
+                    for r in &self.conclusion.remedies {
+                        out.push_str(&format!("  - {r}\n"));
+                    }
+                }
+                if !self.conclusion.also.is_empty() {
+                    out.push_str(&format!(
+                        "Also problems at: {}\n",
+                        self.conclusion.also.join(", ")
+                    ));
+                }
+            }
+            None => out.push_str(&format!("Conclusion: {}\n", self.conclusion.summary)),
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenscope_core::RequestRecord;
+
+    const W: Window = Window {
+        since_us: 0,
+        until_us: 100_000_000,
+    };
+
+    fn rec(i: usize, at_ms: i64, input: u64, ttft: f64) -> RequestRecord {
+        RequestRecord {
+            request_id: format!("r{i:05}"),
+            created_at: at_ms * 1000,
+            input_tokens: Some(input),
+            output_tokens: Some(20),
+            input_bucket: Some(InputBucket::of(input)),
+            ttft_ms: Some(ttft),
+            tpot_ms: Some(10.0),
+            total_duration_ms: ttft + 200.0,
+            queue_duration_ms: Some(0.0),
+            prefill_duration_ms: Some(ttft),
+            decode_duration_ms: Some(190.0),
+            stream: true,
+            upstream_headers_ms: Some(1.0),
+            gateway_overhead_ms: Some(0.2),
+            ..RequestRecord::default()
+        }
+    }
+
+    fn step<'a>(r: &'a DiagnoseReport, name: &str) -> &'a Step {
+        r.steps
+            .iter()
+            .find(|s| s.step == name)
+            .expect("step present")
+    }
+
+    #[test]
+    fn percentile_is_nearest_rank() {
+        let v = [1.0, 2.0, 3.0, 4.0];
+        assert_eq!(percentile(&v, 0.5), Some(2.0));
+        assert_eq!(percentile(&v, 0.99), Some(4.0));
+        assert_eq!(percentile(&v, 0.25), Some(1.0));
+        assert_eq!(percentile(&[], 0.5), None);
+        let h: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&h, 0.99), Some(99.0));
+        assert_eq!(percentile(&h, 0.9), Some(90.0));
+    }
+
+    #[test]
+    fn healthy_run_concludes_healthy() {
+        let recs: Vec<_> = (0..50).map(|i| rec(i, i as i64 * 1000, 50, 20.0)).collect();
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        assert_eq!(r.conclusion.verdict, "healthy");
+        assert!(r.steps.iter().all(|s| s.verdict == Verdict::Ok), "{r:#?}");
+        assert_eq!(r.requests, 50);
+    }
+
+    #[test]
+    fn empty_window_is_unknown_not_a_problem() {
+        let r = diagnose(&[], W, &DiagnoseOptions::default());
+        assert_eq!(r.conclusion.verdict, "healthy");
+        assert_eq!(step(&r, "success").verdict, Verdict::Unknown);
+        assert_eq!(step(&r, "ttft").verdict, Verdict::Unknown);
+    }
+
+    #[test]
+    fn low_success_rate_lists_error_types() {
+        let mut recs: Vec<_> = (0..100).map(|i| rec(i, i as i64 * 100, 50, 20.0)).collect();
+        for r in recs.iter_mut().take(3) {
+            r.outcome = Outcome::Timeout;
+            r.error_type = Some("upstream_timeout".into());
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "success");
+        assert_eq!(s.verdict, Verdict::Problem);
+        assert_eq!(s.evidence["success_rate"], json!(0.97));
+        assert_eq!(
+            s.evidence["top_error_types"][0],
+            json!({"error_type": "upstream_timeout", "count": 3})
+        );
+        assert_eq!(r.conclusion.step.as_deref(), Some("success"));
+    }
+
+    #[test]
+    fn starvation_names_the_long_bucket() {
+        let mut recs = Vec::new();
+        // Long prompts every 10 s, each prefilling 2 s.
+        for k in 0..10 {
+            recs.push(rec(recs.len(), k * 10_000, 6000, 2000.0));
+        }
+        // Short requests: those inside a long prefill are slow.
+        for k in 0..10 {
+            for j in 0..4 {
+                let at = k * 10_000 + 100 + j * 400;
+                recs.push(rec(recs.len(), at, 50, 900.0));
+                recs.push(rec(recs.len(), at + 5_000, 50, 30.0));
+            }
+        }
+        recs.sort_by_key(|r| r.created_at);
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        assert_eq!(s.verdict, Verdict::Problem);
+        assert!(s.findings.contains(&"starvation".to_owned()), "{s:#?}");
+        assert_eq!(s.evidence["long_bucket"], json!("2048+"));
+        assert_eq!(s.evidence["short_beside_long_n"], json!(40));
+        assert_eq!(s.evidence["short_alone_n"], json!(40));
+        assert_eq!(s.evidence["starvation_ratio"], json!(30.0));
+        assert!(s.remedies.iter().any(|m| m.contains("isolation")));
+        assert!(s.remedies.iter().any(|m| m.contains("cap prefill")));
+        assert_eq!(r.conclusion.step.as_deref(), Some("ttft"));
+        assert!(r.conclusion.summary.contains("2048+"));
+    }
+
+    #[test]
+    fn starvation_needs_samples_and_falls_back_to_512_2048() {
+        let mut recs = Vec::new();
+        for k in 0..4 {
+            recs.push(rec(recs.len(), k * 10_000, 1500, 2000.0));
+            recs.push(rec(recs.len(), k * 10_000 + 100, 50, 900.0));
+            recs.push(rec(recs.len(), k * 10_000 + 5_000, 50, 30.0));
+        }
+        recs.sort_by_key(|r| r.created_at);
+        // 4 samples per side: below the default 10, no verdict on starvation.
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        assert_eq!(s.evidence["long_bucket"], json!("512-2048"));
+        assert_eq!(s.evidence["short_beside_long_n"], json!(4));
+        assert!(s.findings.is_empty(), "{s:#?}");
+        let opts = DiagnoseOptions {
+            min_samples: 3,
+            ..DiagnoseOptions::default()
+        };
+        let r = diagnose(&recs, W, &opts);
+        assert_eq!(step(&r, "ttft").findings, vec!["starvation".to_owned()]);
+        assert!(r.conclusion.remedies[0].contains("512-2048"));
+        // Records outside the window are ignored.
+        let narrow = Window {
+            since_us: 0,
+            until_us: 1,
+        };
+        assert_eq!(diagnose(&recs, narrow, &opts).requests, 1);
+    }
+
+    #[test]
+    fn queueing_from_queue_share() {
+        let mut recs: Vec<_> = (0..20)
+            .map(|i| rec(i, i as i64 * 1000, 50, 100.0))
+            .collect();
+        for r in &mut recs {
+            r.queue_duration_ms = Some(70.0);
+            r.prefill_duration_ms = Some(30.0);
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        assert_eq!(s.findings, vec!["queueing".to_owned()]);
+        assert_eq!(s.evidence["queue_share"], json!(0.7));
+    }
+
+    #[test]
+    fn kv_full_small_batch_is_decode_kv_bound() {
+        let mut recs: Vec<_> = (0..20)
+            .map(|i| rec(i, i as i64 * 1000, 3000, 20.0))
+            .collect();
+        for (i, r) in recs.iter_mut().enumerate() {
+            r.tpot_ms = Some(80.0 + i as f64);
+            r.engine_kv_usage = Some(if i < 2 { 0.5 } else { 0.95 });
+            r.engine_running = Some(2.0);
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "tpot");
+        assert_eq!(s.findings, vec!["decode_kv_bound".to_owned()]);
+        assert_eq!(s.evidence["kv_usage_p90"], json!(0.95));
+        assert_eq!(s.evidence["running_p50"], json!(2.0));
+        assert_eq!(s.evidence["tpot_p99_ms"], json!(99.0));
+        assert!(s
+            .remedies
+            .iter()
+            .any(|m| m.contains("KV-cache quantization")));
+        assert_eq!(r.conclusion.step.as_deref(), Some("tpot"));
+        // Queueing caused by the full cache still concludes on the KV cache.
+        let mut q = recs.clone();
+        for r in &mut q {
+            r.queue_duration_ms = Some(15.0);
+            r.prefill_duration_ms = Some(5.0);
+        }
+        let r = diagnose(&q, W, &DiagnoseOptions::default());
+        assert_eq!(step(&r, "ttft").findings, vec!["queueing".to_owned()]);
+        assert_eq!(r.conclusion.step.as_deref(), Some("tpot"));
+        assert_eq!(r.conclusion.findings, vec!["decode_kv_bound".to_owned()]);
+        assert_eq!(r.conclusion.also, vec!["ttft".to_owned()]);
+    }
+
+    #[test]
+    fn large_batch_is_not_kv_bound() {
+        let mut recs: Vec<_> = (0..20).map(|i| rec(i, i as i64 * 1000, 50, 20.0)).collect();
+        for r in &mut recs {
+            r.tpot_ms = Some(80.0);
+            r.engine_kv_usage = Some(0.95);
+            r.engine_running = Some(32.0);
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        assert_eq!(
+            step(&r, "tpot").findings,
+            vec!["decode_batch_bound".to_owned()]
+        );
+    }
+
+    #[test]
+    fn token_growth_and_network() {
+        let mut recs: Vec<_> = (0..40).map(|i| rec(i, i as i64 * 2500, 50, 20.0)).collect();
+        for r in recs.iter_mut().skip(20) {
+            r.input_tokens = Some(500);
+        }
+        for r in recs.iter_mut() {
+            r.gateway_overhead_ms = Some(80.0);
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let t = step(&r, "tokens");
+        assert_eq!(t.findings, vec!["token_growth".to_owned()]);
+        assert_eq!(t.evidence["tokens_per_request_first_half"], json!(70.0));
+        assert_eq!(t.evidence["tokens_per_request_second_half"], json!(520.0));
+        let n = step(&r, "network");
+        assert_eq!(n.findings, vec!["gateway_overhead".to_owned()]);
+        assert_eq!(r.conclusion.step.as_deref(), Some("tokens"));
+        assert_eq!(r.conclusion.also, vec!["network".to_owned()]);
+    }
+
+    #[test]
+    fn deterministic_json_and_table() {
+        let recs: Vec<_> = (0..30).map(|i| rec(i, i as i64 * 1000, 50, 20.0)).collect();
+        let a = diagnose(&recs, W, &DiagnoseOptions::default());
+        let b = diagnose(&recs, W, &DiagnoseOptions::default());
+        assert_eq!(a.render(crate::Format::Json), b.render(crate::Format::Json));
+        let t = a.render_table();
+        assert!(
+            t.contains("ttft") && t.contains("Conclusion: healthy"),
+            "{t}"
+        );
+    }
+
+    /// `cargo test --release -p tokenscope-analysis million -- --ignored --nocapture`
+    #[test]
+    #[ignore = "timing; run in release"]
+    fn million_records() {
+        let recs: Vec<_> = (0..1_000_000usize)
+            .map(|i| {
+                let input = if i % 50 == 0 { 4000 } else { 60 };
+                let mut r = rec(i, i as i64 / 10, input, 20.0 + (i % 97) as f64);
+                r.engine_kv_usage = Some((i % 100) as f64 / 100.0);
+                r.engine_running = Some((i % 8) as f64);
+                r.user_id = Some(format!("u{}", i % 1000));
+                r
+            })
+            .collect();
+        let t = std::time::Instant::now();
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        eprintln!("diagnose over 1M records: {:?}", t.elapsed());
+        assert_eq!(r.requests, 1_000_000);
+    }
+
+    #[test]
+    fn interval_overlap() {
+        let m = merge(vec![(10, 20), (0, 5), (15, 30)]);
+        assert_eq!(m, vec![(0, 5), (10, 30)]);
+        assert!(overlaps(&m, 5, 7));
+        assert!(!overlaps(&m, 6, 9));
+        assert!(overlaps(&m, 29, 40));
+        assert!(!overlaps(&m, 31, 40));
+    }
+}

@@ -1,0 +1,279 @@
+//! `tokenscope diagnose` scenarios: the mock engine behind the real gateway reproduces the
+//! article's cases, then the real binary diagnoses the store (JSON asserted on values).
+//!
+//! * long prompts starving short ones → TTFT step, `starvation`, long bucket `2048+`,
+//!   isolation and prefill-cap remedies;
+//! * KV cache near full, small batches, high TPOT → TPOT step `decode_kv_bound`;
+//! * a healthy run → `healthy`;
+//! * the same records in ClickHouse give byte-identical JSON (skipped without a server).
+//!
+//! Time is compressed with the mock's `--time-scale`; where a scenario compares against an
+//! absolute latency threshold, the threshold is scaled by the same factor.
+
+mod common;
+
+use common::{stream, GatewayProc, MockProc};
+use serde_json::{json, Value};
+use std::process::Command;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+fn unix_s() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_secs_f64()
+}
+
+/// A chat request whose prompt counts `words × 2 + 4` mock tokens.
+fn chat(words: usize, out: u64) -> Value {
+    json!({
+        "model": "mock-llm",
+        "messages": [{"role": "user", "content": "abcdefgh ".repeat(words)}],
+        "stream": true,
+        "mock_output_tokens": out,
+    })
+}
+
+/// A config file routing to the mock with a fast engine-state scrape.
+fn config(dir: &std::path::Path, url: &str) -> String {
+    let p = dir.join("gw.toml");
+    std::fs::write(
+        &p,
+        format!("[[upstreams]]\nname = \"mock\"\nurl = \"{url}\"\nscrape_interval_ms = 100\n"),
+    )
+    .expect("write config");
+    p.to_string_lossy().into_owned()
+}
+
+/// Runs `tokenscope diagnose --format json` over `[since, until]` with extra `args`.
+fn diagnose(store: &str, since: f64, until: f64, args: &[&str]) -> (Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenscope"))
+        .args(["diagnose", "--store", store, "--format", "json"])
+        .arg("--since")
+        .arg(format!("@{}", since.floor() - 1.0))
+        .arg("--until")
+        .arg(format!("@{}", until.ceil() + 1.0))
+        .args(args)
+        .env("TOKENSCOPE_LOG", "warn")
+        .output()
+        .expect("run diagnose");
+    assert!(
+        out.status.success(),
+        "diagnose failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("utf8");
+    (serde_json::from_str(&text).expect("json"), text)
+}
+
+fn step<'a>(report: &'a Value, name: &str) -> &'a Value {
+    report["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .find(|s| s["step"] == name)
+        .expect("step")
+}
+
+fn has(v: &Value, s: &str) -> bool {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .any(|x| x.as_str().is_some_and(|t| t.contains(s)))
+}
+
+/// Same records loaded into ClickHouse: `diagnose` prints the same JSON.
+fn same_on_clickhouse(db: &std::path::Path, since: f64, until: f64, sqlite_json: &str) {
+    use tokenscope_clickhouse::testutil::{clickhouse_or_skip, ClickHouseServer};
+    if !clickhouse_or_skip() {
+        return;
+    }
+    let records = tokenscope_store::SqliteStore::open_read_only(db)
+        .expect("open sqlite")
+        .records_between(i64::MIN / 2, i64::MAX / 2)
+        .expect("records");
+    let ch = ClickHouseServer::start().expect("start clickhouse");
+    let url = ch.url("ts_diagnose");
+    let store = tokenscope_clickhouse::ClickHouseStore::connect_url(&url).expect("connect");
+    store.migrate().expect("migrate");
+    store.insert(&records).expect("insert");
+    let (_, text) = diagnose(&url, since, until, &[]);
+    assert_eq!(
+        text, sqlite_json,
+        "diagnose differs between SQLite and ClickHouse"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_prompts_starve_short_ones() {
+    // 8 slots, chunked prefill of 512 tokens/step; a 6004-token prompt takes 12 steps of
+    // (8 + 25.6) ms × 0.25 ≈ 100 ms during which short requests beside it get no prefill.
+    let mock = MockProc::start(&["--time-scale", "0.25"]);
+    let gw = GatewayProc::start(&mock.url(), &[]);
+    let url = gw.url("/v1/chat/completions");
+    let t0 = unix_s();
+    let mut tasks = Vec::new();
+    for i in 0..128u64 {
+        let url = url.clone();
+        // A long prompt every 16th slot (every 320 ms), short ones every 20 ms.
+        let body = if i % 16 == 3 {
+            chat(3000, 5)
+        } else {
+            chat(3, 5)
+        };
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20 * i)).await;
+            stream(&url, &body, &[], None).await.status
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.expect("task"), 200);
+    }
+    let t1 = unix_s();
+    let (db, _dir) = gw.stop();
+    let store = db.to_string_lossy().into_owned();
+    let (r, text) = diagnose(&store, t0, t1, &[]);
+    assert_eq!(r["requests"], 128, "{text}");
+    assert_eq!(step(&r, "success")["verdict"], "ok", "{text}");
+    let ttft = step(&r, "ttft");
+    assert_eq!(ttft["verdict"], "problem", "{text}");
+    assert!(has(&ttft["findings"], "starvation"), "{text}");
+    assert_eq!(ttft["evidence"]["long_bucket"], "2048+", "{text}");
+    assert!(
+        ttft["evidence"]["starvation_ratio"]
+            .as_f64()
+            .expect("ratio")
+            >= 2.0,
+        "{text}"
+    );
+    assert!(ttft["evidence"]["short_beside_long_n"].as_u64().expect("n") >= 10);
+    assert!(ttft["evidence"]["short_alone_n"].as_u64().expect("n") >= 10);
+    assert_eq!(ttft["thresholds"]["starvation_ratio"], 2.0);
+    assert_eq!(r["conclusion"]["step"], "ttft", "{text}");
+    assert!(has(&r["conclusion"]["findings"], "starvation"));
+    assert!(r["conclusion"]["summary"]
+        .as_str()
+        .expect("summary")
+        .contains("long prompts starve short ones"));
+    assert!(has(&r["conclusion"]["remedies"], "isolation"), "{text}");
+    assert!(has(&r["conclusion"]["remedies"], "2048+"), "{text}");
+    assert!(has(&r["conclusion"]["remedies"], "cap prefill"), "{text}");
+    same_on_clickhouse(&db, t0, t1, &text);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn kv_cache_near_full_small_batches_high_tpot() {
+    // KV for 8000 tokens; each request holds a 3700-token prompt (+ ≤ 16 generated), so two
+    // fit and the third waits: batches of 2 with the cache > 92 % full. Each decode step reads
+    // the resident KV: (8 + 0.5 + 0.02 × ~7400) ms ≈ 157 ms × 0.1 ≈ 15.7 ms per token.
+    let mock = MockProc::start(&[
+        "--time-scale",
+        "0.1",
+        "--kv-tokens",
+        "8000",
+        "--decode-ms-per-kv-token",
+        "0.02",
+    ]);
+    let dir = tempfile::tempdir().expect("tmp");
+    let cfg = config(dir.path(), &mock.url());
+    let gw = GatewayProc::start_with_args(None, &["--config", &cfg], &[]);
+    let url = gw.url("/v1/chat/completions");
+    // Let the first scrape land.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = unix_s();
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..4 {
+                let s = stream(&url, &chat(1848, 16), &[], None).await;
+                assert_eq!(s.status, 200);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let t1 = unix_s();
+    let (db, _dir) = gw.stop();
+    let store = db.to_string_lossy().into_owned();
+    // Thresholds scaled with the mock's time (× 0.1): TPOT 50 ms → 5 ms, TTFT 2 s → 200 ms.
+    let (r, text) = diagnose(
+        &store,
+        t0,
+        t1,
+        &["--tpot-p99", "5ms", "--ttft-p99", "200ms"],
+    );
+    assert_eq!(r["requests"], 24, "{text}");
+    let tpot = step(&r, "tpot");
+    assert_eq!(tpot["verdict"], "problem", "{text}");
+    assert!(has(&tpot["findings"], "decode_kv_bound"), "{text}");
+    assert!(
+        tpot["evidence"]["kv_usage_p90"].as_f64().expect("kv") >= 0.9,
+        "{text}"
+    );
+    assert!(
+        tpot["evidence"]["running_p50"].as_f64().expect("running") <= 4.0,
+        "{text}"
+    );
+    assert!(
+        tpot["evidence"]["tpot_p99_ms"].as_f64().expect("tpot") > 5.0,
+        "{text}"
+    );
+    assert_eq!(tpot["thresholds"]["kv_high"], 0.9);
+    assert_eq!(tpot["thresholds"]["tpot_p99_ms"], 5.0);
+    assert_eq!(r["conclusion"]["step"], "tpot", "{text}");
+    assert!(has(&r["conclusion"]["remedies"], "KV-cache quantization"));
+    assert!(has(
+        &r["conclusion"]["remedies"],
+        "fewer concurrent long contexts"
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn healthy_run_is_healthy() {
+    let mock = MockProc::start(&[]);
+    let gw = GatewayProc::start(&mock.url(), &[]);
+    let url = gw.url("/v1/chat/completions");
+    let t0 = unix_s();
+    let mut tasks = Vec::new();
+    for i in 0..60u64 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(20 * i)).await;
+            stream(&url, &chat(20, 8), &[], None).await.status
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.expect("task"), 200);
+    }
+    let t1 = unix_s();
+    let (db, _dir) = gw.stop();
+    let (r, text) = diagnose(&db.to_string_lossy(), t0, t1, &[]);
+    assert_eq!(r["requests"], 60, "{text}");
+    assert_eq!(r["conclusion"]["verdict"], "healthy", "{text}");
+    for s in r["steps"].as_array().expect("steps") {
+        assert_eq!(s["verdict"], "ok", "{text}");
+    }
+    // The table names every step and the conclusion.
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenscope"))
+        .args(["diagnose", "--store"])
+        .arg(&db)
+        .arg("--since")
+        .arg(format!("@{}", t0.floor() - 1.0))
+        .arg("--until")
+        .arg(format!("@{}", t1.ceil() + 1.0))
+        .output()
+        .expect("run diagnose");
+    let table = String::from_utf8_lossy(&out.stdout);
+    for s in [
+        "success",
+        "ttft",
+        "tpot",
+        "tokens",
+        "network",
+        "Conclusion: healthy",
+    ] {
+        assert!(table.contains(s), "{table}");
+    }
+}

@@ -1,0 +1,474 @@
+//! The gateway's own alerting (embedded setup, no Prometheus needed): `[alerts]` with a
+//! `webhook_url` turns it on. Finished requests are summarised into a bounded in-memory
+//! buffer; a background task evaluates the same conditions as the exported Prometheus rules
+//! (`tokenscope_analysis::alerts`) every `evaluation_interval` and POSTs new and resolved
+//! incidents to the webhook in Alertmanager's v2 API format (`POST /api/v2/alerts`, a JSON
+//! array of `{labels, annotations, startsAt, endsAt?, generatorURL}`).
+//!
+//! Invariants:
+//! * The request path never waits: [`Alerting::push`] is one short mutex section that appends
+//!   to a bounded `VecDeque` (full → the sample is dropped and counted in
+//!   `tokenscope_alert_samples_dropped_total`). Evaluation and HTTP happen on the task.
+//! * One incident (alert name + labels) is one firing notification and one resolved
+//!   notification (the evaluator's de-duplication); with `repeat_interval` set the firing alert
+//!   is re-sent that often (Alertmanager de-duplicates it; set it below Alertmanager's
+//!   `resolve_timeout`, 5 m by default, when the receiver is a real Alertmanager, which
+//!   otherwise resolves an alert it has not heard of for that long).
+//! * A failed POST keeps its notifications (at most [`OUTBOX_MAX`], oldest dropped) and sends
+//!   them again with the next evaluation's; `tokenscope_alert_notifications_total{state}`
+//!   counts notifications the webhook accepted (2xx), `tokenscope_alert_webhook_errors_total`
+//!   failed POSTs.
+//! * The task ends when the gateway's shared state is dropped (shutdown).
+
+use crate::config::{ConfigError, DurationSetting};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use parking_lot::Mutex;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use serde::Deserialize;
+use std::collections::VecDeque;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokenscope_analysis::alerts::{
+    AlertEvaluator, AlertSample, AlertThresholds, EvaluatorOptions, Notification, NotificationState,
+};
+use tokenscope_core::RequestRecord;
+
+/// Notifications kept for a retry at most (the oldest go first).
+pub const OUTBOX_MAX: usize = 1000;
+
+/// `[alerts]`: the gateway evaluates the alert conditions itself and POSTs to a webhook.
+/// Off unless `webhook_url` is set. Thresholds (also used by `tokenscope export
+/// prometheus-rules --config`) are in `[alerts.thresholds]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlertsSection {
+    /// `http://HOST:PORT/api/v2/alerts` (Alertmanager) or any receiver of that format.
+    pub webhook_url: Option<String>,
+    /// How often the conditions are evaluated (default `15s`).
+    pub evaluation_interval: DurationSetting,
+    /// Time allowed for one POST (default `5s`).
+    pub webhook_timeout: DurationSetting,
+    /// Re-send firing alerts this often (default: never; one POST per incident).
+    pub repeat_interval: Option<DurationSetting>,
+    /// Finished requests buffered between two evaluations (default 100000).
+    pub buffer: usize,
+    /// Requests kept in the evaluation window at most (default 200000).
+    pub max_samples: usize,
+    /// `generatorURL` of the alerts (default `http://ADMIN_LISTEN/metrics`).
+    pub generator_url: Option<String>,
+    /// Thresholds and `for:` windows.
+    pub thresholds: AlertThresholds,
+}
+
+impl Default for AlertsSection {
+    fn default() -> Self {
+        Self {
+            webhook_url: None,
+            evaluation_interval: DurationSetting::Text("15s".into()),
+            webhook_timeout: DurationSetting::Text("5s".into()),
+            repeat_interval: None,
+            buffer: 100_000,
+            max_samples: 200_000,
+            generator_url: None,
+            thresholds: AlertThresholds::default(),
+        }
+    }
+}
+
+struct Settings {
+    url: http::Uri,
+    interval: Duration,
+    timeout: Duration,
+    repeat: Option<Duration>,
+}
+
+impl AlertsSection {
+    fn settings(&self) -> Result<Option<Settings>, ConfigError> {
+        let invalid = |m: String| ConfigError::Invalid(format!("alerts: {m}"));
+        self.thresholds
+            .validate()
+            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        let interval = self.evaluation_interval.get().map_err(invalid)?;
+        let timeout = self.webhook_timeout.get().map_err(invalid)?;
+        let repeat = match &self.repeat_interval {
+            Some(r) => Some(r.get().map_err(invalid)?),
+            None => None,
+        };
+        if interval.is_zero() || timeout.is_zero() || repeat.is_some_and(|r| r.is_zero()) {
+            return Err(invalid(
+                "evaluation_interval, webhook_timeout and repeat_interval must be > 0".into(),
+            ));
+        }
+        if self.buffer == 0 || self.max_samples == 0 {
+            return Err(invalid("buffer and max_samples must be > 0".into()));
+        }
+        let Some(url) = self.webhook_url.as_deref() else {
+            return Ok(None);
+        };
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e| invalid(format!("webhook_url {url:?}: {e}")))?;
+        if uri.scheme_str() != Some("http") || uri.host().is_none() {
+            return Err(invalid(format!(
+                "webhook_url {url:?}: only http://HOST[:PORT]/PATH is supported"
+            )));
+        }
+        Ok(Some(Settings {
+            url: uri,
+            interval,
+            timeout,
+            repeat,
+        }))
+    }
+
+    /// Checks the section (called by `GatewayConfig::validate`).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.settings().map(|_| ())
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
+}
+
+#[derive(Clone)]
+struct AlertMetrics {
+    notifications: Family<StateLabels, Counter>,
+    webhook_errors: Counter,
+    samples_dropped: Counter,
+}
+
+/// Reads the budget usage ratio of a business line (the `llm_budget_usage_ratio` value).
+type BudgetRatio = Box<dyn Fn(&str) -> f64 + Send + Sync>;
+
+struct Feed {
+    buf: Mutex<VecDeque<AlertSample>>,
+    cap: usize,
+    dropped: Counter,
+    /// The tracked business lines and their ratio, set once the budgets exist.
+    budgets: std::sync::OnceLock<(Vec<String>, BudgetRatio)>,
+}
+
+impl Feed {
+    fn budget_usage(&self) -> Vec<(String, f64)> {
+        self.budgets
+            .get()
+            .map(|(lines, ratio)| lines.iter().map(|l| (l.clone(), ratio(l))).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// The request path's side: the bounded buffer (or nothing when alerting is off).
+pub(crate) struct Alerting {
+    feed: Option<Arc<Feed>>,
+}
+
+impl Alerting {
+    /// Appends the summary of a finished request; `model_label` gives the bounded model
+    /// label (only called when alerting is on). Never blocks beyond one short mutex section.
+    pub(crate) fn push(&self, rec: &RequestRecord, model_label: impl FnOnce() -> String) {
+        let Some(feed) = &self.feed else {
+            return;
+        };
+        let mut s = AlertSample::from_record(rec, now_us());
+        s.model = model_label();
+        let mut buf = feed.buf.lock();
+        if buf.len() >= feed.cap {
+            drop(buf);
+            feed.dropped.inc();
+            return;
+        }
+        buf.push_back(s);
+    }
+
+    /// Lets the evaluator read the budget usage of `lines` (once; later calls are ignored).
+    pub(crate) fn set_budgets(
+        &self,
+        lines: Vec<String>,
+        ratio: impl Fn(&str) -> f64 + Send + Sync + 'static,
+    ) {
+        if let Some(feed) = &self.feed {
+            let mut lines = lines;
+            lines.sort();
+            lines.dedup();
+            let _ = feed.budgets.set((lines, Box::new(ratio)));
+        }
+    }
+}
+
+fn now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+fn rfc3339(us: i64) -> String {
+    let t = UNIX_EPOCH + Duration::from_micros(u64::try_from(us).unwrap_or(0));
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// The Alertmanager v2 body for `notes`.
+pub fn alertmanager_body(notes: &VecDeque<Notification>, generator_url: &str) -> String {
+    let alerts: Vec<serde_json::Value> = notes
+        .iter()
+        .map(|n| {
+            let mut v = serde_json::json!({
+                "labels": n.alert.labels,
+                "annotations": n.alert.annotations,
+                "startsAt": rfc3339(n.alert.starts_at_us),
+                "generatorURL": generator_url,
+            });
+            if let (Some(end), Some(obj)) = (n.alert.ends_at_us, v.as_object_mut()) {
+                obj.insert("endsAt".into(), serde_json::Value::String(rfc3339(end)));
+            }
+            v
+        })
+        .collect();
+    serde_json::Value::Array(alerts).to_string()
+}
+
+/// Registers the alert metrics and, when `[alerts] webhook_url` is set, starts the
+/// evaluation task (must run inside a tokio runtime).
+pub(crate) fn start(
+    section: &AlertsSection,
+    admin_listen: &str,
+    registry: &mut Registry,
+) -> Result<Alerting, ConfigError> {
+    let Some(settings) = section.settings()? else {
+        return Ok(Alerting { feed: None });
+    };
+    let metrics = AlertMetrics {
+        notifications: Family::default(),
+        webhook_errors: Counter::default(),
+        samples_dropped: Counter::default(),
+    };
+    registry.register(
+        "tokenscope_alert_notifications",
+        "Alert notifications accepted by the webhook, by state (firing, resolved)",
+        metrics.notifications.clone(),
+    );
+    registry.register(
+        "tokenscope_alert_webhook_errors",
+        "Failed alert webhook POSTs (their notifications are sent again with the next evaluation)",
+        metrics.webhook_errors.clone(),
+    );
+    registry.register(
+        "tokenscope_alert_samples_dropped",
+        "Finished requests left out of alert evaluation because the alert buffer was full",
+        metrics.samples_dropped.clone(),
+    );
+    for state in ["firing", "resolved"] {
+        let _ = metrics.notifications.get_or_create(&StateLabels { state });
+    }
+    let feed = Arc::new(Feed {
+        buf: Mutex::new(VecDeque::new()),
+        cap: section.buffer,
+        dropped: metrics.samples_dropped.clone(),
+        budgets: std::sync::OnceLock::new(),
+    });
+    let evaluator = AlertEvaluator::new(
+        section.thresholds.clone(),
+        EvaluatorOptions {
+            repeat_interval_us: settings
+                .repeat
+                .map(|r| i64::try_from(r.as_micros()).unwrap_or(i64::MAX)),
+            max_samples: section.max_samples,
+        },
+    );
+    let generator = section
+        .generator_url
+        .clone()
+        .unwrap_or_else(|| format!("http://{admin_listen}/metrics"));
+    tracing::info!(webhook = %settings.url, interval = ?settings.interval, "Alerting on.");
+    tokio::spawn(run(
+        Arc::downgrade(&feed),
+        evaluator,
+        settings,
+        generator,
+        metrics,
+    ));
+    Ok(Alerting { feed: Some(feed) })
+}
+
+async fn run(
+    feed: Weak<Feed>,
+    mut evaluator: AlertEvaluator,
+    settings: Settings,
+    generator: String,
+    metrics: AlertMetrics,
+) {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let mut outbox: VecDeque<Notification> = VecDeque::new();
+    let mut tick = tokio::time::interval(settings.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    evaluator.start_at(now_us());
+    loop {
+        tick.tick().await;
+        let Some(f) = feed.upgrade() else {
+            break;
+        };
+        let drained = std::mem::take(&mut *f.buf.lock());
+        let budget = f.budget_usage();
+        drop(f);
+        for s in drained {
+            evaluator.push(s);
+        }
+        outbox.extend(evaluator.evaluate(now_us(), &budget));
+        while outbox.len() > OUTBOX_MAX {
+            outbox.pop_front();
+        }
+        if outbox.is_empty() {
+            continue;
+        }
+        let body = alertmanager_body(&outbox, &generator);
+        match post(&client, &settings, body).await {
+            Ok(()) => {
+                for n in outbox.drain(..) {
+                    let state = match n.state {
+                        NotificationState::Firing => "firing",
+                        NotificationState::Resolved => "resolved",
+                    };
+                    metrics
+                        .notifications
+                        .get_or_create(&StateLabels { state })
+                        .inc();
+                }
+            }
+            Err(e) => {
+                metrics.webhook_errors.inc();
+                tracing::warn!(
+                    webhook = %settings.url,
+                    pending = outbox.len(),
+                    "Alert webhook failed ({e}); retrying with the next evaluation."
+                );
+            }
+        }
+    }
+}
+
+async fn post(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    settings: &Settings,
+    body: String,
+) -> Result<(), String> {
+    let req = http::Request::post(settings.url.clone())
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    let send = async {
+        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let status = resp.status();
+        // Read the body so the connection can be reused.
+        let _ = resp.into_body().collect().await;
+        if status.is_success() {
+            Ok(())
+        } else {
+            Err(format!("status {status}"))
+        }
+    };
+    tokio::time::timeout(settings.timeout, send)
+        .await
+        .map_err(|_| format!("no answer within {:?}", settings.timeout))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenscope_analysis::alerts::AlertInstance;
+
+    #[test]
+    fn alerts_section_validation() {
+        let s = AlertsSection::default();
+        assert!(s.settings().expect("valid").is_none());
+        let s = AlertsSection {
+            webhook_url: Some("https://am:9093/api/v2/alerts".into()),
+            ..AlertsSection::default()
+        };
+        assert!(s.validate().is_err());
+        let s = AlertsSection {
+            webhook_url: Some("http://am:9093/api/v2/alerts".into()),
+            evaluation_interval: DurationSetting::Text("0s".into()),
+            ..AlertsSection::default()
+        };
+        assert!(s.validate().is_err());
+        let s = AlertsSection {
+            webhook_url: Some("http://am:9093/api/v2/alerts".into()),
+            evaluation_interval: DurationSetting::Millis(200),
+            ..AlertsSection::default()
+        };
+        let set = s.settings().expect("valid").expect("on");
+        assert_eq!(set.interval, Duration::from_millis(200));
+    }
+
+    #[test]
+    fn alerts_section_from_file_and_env() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("gw.toml");
+        std::fs::write(
+            &path,
+            "[alerts]\nrepeat_interval = \"1m\"\n[alerts.thresholds]\nsuccess_ratio_min = 0.995\n",
+        )
+        .expect("write");
+        let env = [
+            (
+                "TOKENSCOPE_ALERTS__WEBHOOK_URL".to_owned(),
+                "http://127.0.0.1:9093/api/v2/alerts".to_owned(),
+            ),
+            (
+                "TOKENSCOPE_ALERTS__EVALUATION_INTERVAL".to_owned(),
+                "500".to_owned(),
+            ),
+        ];
+        let cfg = crate::GatewayConfig::load_with_env(Some(&path), env).expect("config");
+        let set = cfg.alerts.settings().expect("valid").expect("on");
+        assert_eq!(set.interval, Duration::from_millis(500));
+        assert_eq!(set.repeat, Some(Duration::from_secs(60)));
+        assert_eq!(cfg.alerts.thresholds.success_ratio_min, 0.995);
+        assert_eq!(cfg.alerts.thresholds.ttft_p99_seconds, 2.0);
+        std::fs::write(&path, "[alerts.thresholds]\nsuccess_ratio_min = -1.0\n").expect("write");
+        assert!(crate::GatewayConfig::load_with_env(Some(&path), []).is_err());
+    }
+
+    #[test]
+    fn alerts_alertmanager_body() {
+        let alert = AlertInstance {
+            labels: [("alertname", "LLMSuccessRateLow"), ("severity", "P0")]
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+            annotations: [("summary".to_owned(), "s".to_owned())].into(),
+            starts_at_us: 1_700_000_000_000_000,
+            ends_at_us: None,
+            value: 0.5,
+        };
+        let mut resolved = alert.clone();
+        resolved.ends_at_us = Some(1_700_000_060_000_000);
+        let notes: VecDeque<_> = [
+            Notification {
+                state: NotificationState::Firing,
+                alert,
+            },
+            Notification {
+                state: NotificationState::Resolved,
+                alert: resolved,
+            },
+        ]
+        .into();
+        let v: serde_json::Value =
+            serde_json::from_str(&alertmanager_body(&notes, "http://g/metrics")).expect("json");
+        assert_eq!(v[0]["labels"]["alertname"], "LLMSuccessRateLow");
+        assert_eq!(v[0]["startsAt"], "2023-11-14T22:13:20.000Z");
+        assert!(v[0].get("endsAt").is_none());
+        assert_eq!(v[1]["endsAt"], "2023-11-14T22:14:20.000Z");
+        assert_eq!(v[1]["generatorURL"], "http://g/metrics");
+    }
+}

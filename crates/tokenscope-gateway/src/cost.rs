@@ -1,0 +1,423 @@
+//! The cost column: every finished record gets `cost_usd` from the configured `[[prices]]`.
+//!
+//! * API-priced models: [`PriceTable::token_cost`] — (input − cached) × input price + cached
+//!   × cached price + output × output price, per 1M tokens.
+//! * Self-hosted models (`gpu_hourly_usd`): the deployment costs its hourly price whether it
+//!   is busy or not, so a token costs `hourly / 3600 × window_seconds / tokens served in the
+//!   window`, and a record costs that rate × its own tokens (input + output). The window is
+//!   the last [`WINDOW_SECS`] seconds, counted in [`BUCKET_SECS`]-second buckets per model
+//!   (this record's tokens included); shortly after start it is the time since the gateway
+//!   started, at least one bucket. This is the measured-throughput method of
+//!   [`PriceTable::self_hosted_rate`], evaluated online at the moment the request finished.
+//! * Unpriced models: `None`.
+//!
+//! Cost: one short mutex section per self-hosted record (a bucket add and a sum over at most
+//! 30 buckets), nothing for API-priced ones; no I/O.
+//!
+//! ## Budget gauge
+//!
+//! [`BudgetTracker`] keeps, per explicit `[[budgets]]` entry, the tokens and USD of its
+//! business line in the current UTC period (the period of each record's `created_at`; a
+//! record of a newer period starts it afresh, one of an older period is ignored), updated in
+//! `finish_record` (one short mutex per budget of the record's line), and sets
+//! `llm_budget_usage_ratio{business_line}` = the largest used/budget of the line's budgets.
+//! At startup the current periods are seeded from the embedded store by a background thread
+//! (records created before the gateway started; later ones arrive through `finish_record`,
+//! so none is counted twice). Not done in the gateway: automatic (`auto = true`) budgets
+//! (use `tokenscope budget`), seeding from ClickHouse (logged), and a period rollover without
+//! traffic (the gauge keeps the last period's value until the next request of the line).
+
+use parking_lot::Mutex;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokenscope_analysis::budget::BudgetConfig;
+use tokenscope_analysis::PriceTable;
+use tokenscope_core::RequestRecord;
+use tokenscope_telemetry::Metrics;
+
+/// Bucket width of the throughput counter, seconds.
+pub const BUCKET_SECS: u64 = 10;
+/// Throughput window for self-hosted prices, seconds.
+pub const WINDOW_SECS: u64 = 300;
+
+/// Tokens a model served, per [`BUCKET_SECS`] bucket, over the last [`WINDOW_SECS`].
+#[derive(Debug, Default)]
+struct Rolling {
+    /// `(bucket index since start, tokens)`, oldest first.
+    buckets: VecDeque<(u64, u64)>,
+}
+
+impl Rolling {
+    /// Adds `tokens` at bucket `b` and returns the tokens in the window ending at `b`.
+    fn add(&mut self, b: u64, tokens: u64) -> u64 {
+        let n = WINDOW_SECS / BUCKET_SECS;
+        while self.buckets.front().is_some_and(|(old, _)| old + n <= b) {
+            self.buckets.pop_front();
+        }
+        match self.buckets.back_mut() {
+            Some((last, t)) if *last == b => *t += tokens,
+            _ => self.buckets.push_back((b, tokens)),
+        }
+        self.buckets.iter().map(|(_, t)| t).sum()
+    }
+}
+
+/// Prices records as they finish.
+#[derive(Debug)]
+pub struct CostMeter {
+    prices: PriceTable,
+    start: Instant,
+    served: Mutex<HashMap<String, Rolling>>,
+}
+
+impl CostMeter {
+    /// A meter over `prices`, its clock starting now.
+    pub fn new(prices: PriceTable) -> Self {
+        Self::starting_at(prices, Instant::now())
+    }
+
+    fn starting_at(prices: PriceTable, start: Instant) -> Self {
+        Self {
+            prices,
+            start,
+            served: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The cost of `rec` finishing at `now` (see the module docs).
+    pub fn cost(&self, rec: &RequestRecord, now: Instant) -> Option<f64> {
+        if let Some(c) = self.prices.token_cost(rec) {
+            return Some(c);
+        }
+        let hourly = self.prices.find(&rec.model)?.gpu_hourly_usd?;
+        let elapsed = now.saturating_duration_since(self.start);
+        let tokens = tokenscope_analysis::total_tokens(rec);
+        let b = elapsed.as_secs() / BUCKET_SECS;
+        let in_window = self
+            .served
+            .lock()
+            .entry(rec.model.clone())
+            .or_default()
+            .add(b, tokens);
+        if in_window == 0 {
+            return Some(0.0);
+        }
+        let window_s = elapsed
+            .min(Duration::from_secs(WINDOW_SECS))
+            .max(Duration::from_secs(BUCKET_SECS))
+            .as_secs_f64();
+        Some(hourly / 3600.0 * window_s / in_window as f64 * tokens as f64)
+    }
+}
+
+/// Usage of one budget's current period.
+#[derive(Debug, Default, Clone, Copy)]
+struct PeriodUsage {
+    start_us: i64,
+    tokens: u64,
+    usd: f64,
+}
+
+#[derive(Debug)]
+struct Tracked {
+    cfg: BudgetConfig,
+    usage: Mutex<PeriodUsage>,
+}
+
+impl Tracked {
+    fn ratio(&self) -> f64 {
+        let u = *self.usage.lock();
+        let t = self.cfg.tokens.map(|b| u.tokens as f64 / b as f64);
+        let d = self.cfg.usd.map(|b| u.usd / b);
+        t.unwrap_or(0.0).max(d.unwrap_or(0.0))
+    }
+}
+
+/// Per-business-line usage of the current budget period and the ratio gauge (module docs).
+pub struct BudgetTracker {
+    tracked: Vec<Tracked>,
+    metrics: Option<Arc<Metrics>>,
+}
+
+impl std::fmt::Debug for BudgetTracker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BudgetTracker")
+            .field("tracked", &self.tracked)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BudgetTracker {
+    /// Tracks the explicit budgets of `budgets` (automatic ones are skipped); every tracked
+    /// line's gauge starts at 0.
+    pub fn new(budgets: &[BudgetConfig], metrics: Option<Arc<Metrics>>) -> Self {
+        let tracked: Vec<Tracked> = budgets
+            .iter()
+            .filter(|b| !b.auto && (b.tokens.is_some() || b.usd.is_some()))
+            .map(|b| Tracked {
+                cfg: b.clone(),
+                usage: Mutex::new(PeriodUsage::default()),
+            })
+            .collect();
+        if let Some(m) = &metrics {
+            for t in &tracked {
+                m.set_budget_usage_ratio(&t.cfg.business_line, 0.0);
+            }
+        }
+        Self { tracked, metrics }
+    }
+
+    /// Whether any budget is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.tracked.is_empty()
+    }
+
+    /// `[earliest current period start, now)`: what a seed must read.
+    pub fn seed_window(&self, now_us: i64) -> Option<(i64, i64)> {
+        self.tracked
+            .iter()
+            .map(|t| t.cfg.period.bounds(now_us).0)
+            .min()
+            .map(|s| (s, now_us))
+    }
+
+    /// Adds a finished record (`cost_usd` already set) and updates its line's gauge.
+    pub fn add(&self, rec: &RequestRecord) {
+        let Some(line) = rec.business_line.as_deref() else {
+            return;
+        };
+        let mut touched = false;
+        for t in self.tracked.iter().filter(|t| t.cfg.business_line == line) {
+            let (start, _) = t.cfg.period.bounds(rec.created_at);
+            let mut u = t.usage.lock();
+            if start > u.start_us {
+                *u = PeriodUsage {
+                    start_us: start,
+                    ..PeriodUsage::default()
+                };
+            }
+            if start == u.start_us {
+                u.tokens += tokenscope_analysis::total_tokens(rec);
+                u.usd += rec.cost_usd.unwrap_or(0.0);
+                touched = true;
+            }
+        }
+        if touched {
+            self.publish(line);
+        }
+    }
+
+    /// The gauge value of `line` (largest ratio of its budgets).
+    pub fn ratio(&self, line: &str) -> f64 {
+        self.tracked
+            .iter()
+            .filter(|t| t.cfg.business_line == line)
+            .map(Tracked::ratio)
+            .fold(0.0, f64::max)
+    }
+
+    fn publish(&self, line: &str) {
+        if let Some(m) = &self.metrics {
+            m.set_budget_usage_ratio(line, self.ratio(line));
+        }
+    }
+}
+
+/// Seeds `tracker` from the embedded store at `path` in a background thread: the records of
+/// the current periods created before `now_us` (the gateway's start). A record without
+/// `cost_usd` (written before schema v5) is priced with the API prices of `prices`.
+pub fn seed_from_sqlite(
+    tracker: Arc<BudgetTracker>,
+    path: std::path::PathBuf,
+    prices: PriceTable,
+    now_us: i64,
+) {
+    let Some((since, until)) = tracker.seed_window(now_us) else {
+        return;
+    };
+    let spawned = std::thread::Builder::new()
+        .name("tokenscope-budget-seed".into())
+        .spawn(move || {
+            let records = tokenscope_store::SqliteStore::open_read_only(&path)
+                .and_then(|db| db.records_between(since, until));
+            match records {
+                Ok(records) => {
+                    for mut r in records {
+                        if r.cost_usd.is_none() {
+                            r.cost_usd = prices.token_cost(&r);
+                        }
+                        tracker.add(&r);
+                    }
+                    tracing::info!("budget usage seeded from the embedded store");
+                }
+                Err(e) => tracing::warn!(error = %e, "budget usage: seeding from the store failed"),
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "budget usage: could not start the seed thread");
+    }
+}
+
+/// The business-metric sidecar file of a store: `<sqlite file>.business-metrics.jsonl`, or
+/// `./tokenscope-business-metrics.jsonl` for ClickHouse. `tokenscope budget` reads the same
+/// path by default.
+pub fn business_metrics_path(target: &crate::StoreTarget) -> std::path::PathBuf {
+    match target {
+        crate::StoreTarget::Sqlite(p) => {
+            let mut s = p.clone().into_os_string();
+            s.push(".business-metrics.jsonl");
+            s.into()
+        }
+        crate::StoreTarget::ClickHouse(_) => "./tokenscope-business-metrics.jsonl".into(),
+    }
+}
+
+/// Appends business-metric points (one JSON object per line) to the sidecar file; one writer
+/// at a time. Called from the admin API on a blocking thread, never on the request path.
+#[derive(Debug)]
+pub struct BusinessMetricsFile {
+    path: std::path::PathBuf,
+    lock: Mutex<()>,
+}
+
+impl BusinessMetricsFile {
+    /// The sidecar at `path` (created on the first append).
+    pub fn new(path: std::path::PathBuf) -> Self {
+        Self {
+            path,
+            lock: Mutex::new(()),
+        }
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// Appends `points` (already validated).
+    pub fn append(
+        &self,
+        points: &[tokenscope_analysis::budget::BusinessMetricPoint],
+    ) -> std::io::Result<()> {
+        use std::io::Write;
+        let mut buf = Vec::new();
+        for p in points {
+            serde_json::to_writer(&mut buf, p)?;
+            buf.push(b'\n');
+        }
+        let _g = self.lock.lock();
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)?;
+        f.write_all(&buf)?;
+        f.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenscope_analysis::ModelPrice;
+
+    fn rec(model: &str, input: u64, output: u64) -> RequestRecord {
+        RequestRecord {
+            model: model.into(),
+            input_tokens: Some(input),
+            output_tokens: Some(output),
+            ..RequestRecord::default()
+        }
+    }
+
+    #[test]
+    fn api_self_hosted_and_unpriced() {
+        let start = Instant::now();
+        let m = CostMeter::starting_at(
+            PriceTable::new(vec![
+                ModelPrice {
+                    model: "api".into(),
+                    input_per_mtok: 1.0,
+                    output_per_mtok: 2.0,
+                    ..ModelPrice::default()
+                },
+                ModelPrice {
+                    model: "gpu".into(),
+                    gpu_hourly_usd: Some(36.0),
+                    ..ModelPrice::default()
+                },
+            ]),
+            start,
+        );
+        let c = m.cost(&rec("api", 1_000, 500), start).expect("priced");
+        assert!((c - 0.002).abs() < 1e-12);
+        assert_eq!(m.cost(&rec("other", 1, 1), start), None);
+        // $36/h = $0.01/s. At 400 s: window 300 s = $3 over the tokens of the window.
+        let t = start + Duration::from_secs(400);
+        let c1 = m.cost(&rec("gpu", 600, 400), t).expect("self-hosted");
+        assert!((c1 - 3.0).abs() < 1e-9, "{c1}");
+        let c2 = m.cost(&rec("gpu", 1_000, 1_000), t).expect("self-hosted");
+        // 3 000 tokens in the window now: $3 / 3 000 × 2 000.
+        assert!((c2 - 2.0).abs() < 1e-9, "{c2}");
+        // 5 minutes later the old buckets left the window.
+        let later = t + Duration::from_secs(WINDOW_SECS);
+        let c3 = m.cost(&rec("gpu", 50, 50), later).expect("self-hosted");
+        assert!((c3 - 3.0).abs() < 1e-9, "{c3}");
+        // Just after start the window is the time since start (at least one bucket).
+        let fresh = CostMeter::starting_at(m.prices.clone(), start);
+        let c4 = fresh
+            .cost(&rec("gpu", 10, 10), start + Duration::from_secs(1))
+            .expect("self-hosted");
+        assert!((c4 - 0.1).abs() < 1e-9, "{c4}");
+    }
+
+    #[test]
+    fn budget_tracker_periods_and_ratio() {
+        use tokenscope_analysis::budget::Period;
+        let day = 86_400_000_000i64;
+        let t0 = 19_000 * day;
+        let b = BudgetTracker::new(
+            &[
+                BudgetConfig {
+                    business_line: "s".into(),
+                    tokens: Some(1_000),
+                    ..BudgetConfig::default()
+                },
+                BudgetConfig {
+                    business_line: "s".into(),
+                    period: Period::Monthly,
+                    usd: Some(1.0),
+                    ..BudgetConfig::default()
+                },
+                BudgetConfig {
+                    business_line: "auto".into(),
+                    auto: true,
+                    ..BudgetConfig::default()
+                },
+            ],
+            None,
+        );
+        let mut r = rec("m", 200, 50);
+        r.business_line = Some("s".into());
+        r.created_at = t0 + 5;
+        r.cost_usd = Some(0.5);
+        b.add(&r);
+        // Daily 250/1000 = 0.25, monthly 0.5/1 = 0.5 → 0.5.
+        assert!((b.ratio("s") - 0.5).abs() < 1e-12);
+        r.cost_usd = None;
+        b.add(&r);
+        assert!((b.ratio("s") - 0.5).abs() < 1e-12);
+        // The next day resets the daily budget only (same month: 19 000 days = 2022-01-08).
+        r.created_at = t0 + day + 1;
+        r.input_tokens = Some(850);
+        r.output_tokens = Some(50);
+        b.add(&r);
+        assert!((b.ratio("s") - 0.9).abs() < 1e-12);
+        // An older record (previous day) no longer counts for the daily budget.
+        r.created_at = t0 + 1;
+        b.add(&r);
+        assert!((b.ratio("s") - 0.9).abs() < 1e-12);
+        assert_eq!(b.ratio("auto"), 0.0);
+        assert_eq!(b.seed_window(t0 + 7), Some((t0 - 7 * day, t0 + 7)));
+    }
+}

@@ -98,7 +98,7 @@ pub struct AlertThresholds {
     pub token_anomaly_baseline_seconds: u64,
     /// `for:` of the token anomaly alert. Default 600.
     pub token_anomaly_for_seconds: u64,
-    /// `for:` of `TokenscopeStoreDown` (Prometheus rules only). Default 300.
+    /// `for:` of `TokenscopeStoreDown`. Default 300.
     pub store_down_for_seconds: u64,
 }
 
@@ -278,6 +278,16 @@ struct Condition {
     description: String,
 }
 
+/// The gateway's own health, read from its metrics at each evaluation (the conditions of
+/// the `TokenscopeRecordsLost` and `TokenscopeStoreDown` rules).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SelfHealth {
+    /// `tokenscope_records_lost_total` by reason (running totals).
+    pub lost_total: Vec<(String, u64)>,
+    /// `tokenscope_store_up == 1`.
+    pub store_up: bool,
+}
+
 /// The sliding-window evaluator with its de-duplication state.
 #[derive(Debug)]
 pub struct AlertEvaluator {
@@ -292,6 +302,8 @@ pub struct AlertEvaluator {
     first_at_us: Option<i64>,
     incidents: BTreeMap<String, Incident>,
     samples_dropped: u64,
+    /// Lost-record totals seen at past evaluations (within the rate window), oldest first.
+    lost_history: VecDeque<(i64, BTreeMap<String, u64>)>,
 }
 
 /// `%.3g`-like text of `v` (as the rules' templates print `$value`).
@@ -348,6 +360,7 @@ impl AlertEvaluator {
             first_at_us: None,
             incidents: BTreeMap::new(),
             samples_dropped: 0,
+            lost_history: VecDeque::new(),
         }
     }
 
@@ -397,6 +410,64 @@ impl AlertEvaluator {
         i64::try_from(self.t.rate_window_seconds)
             .unwrap_or(i64::MAX / 2_000_000)
             .saturating_mul(1_000_000)
+    }
+
+    /// Records the lost totals of `health` and returns, per reason, how many were lost over
+    /// the rate window (from the oldest evaluation still inside it).
+    fn lost_increase(&mut self, now_us: i64, health: &SelfHealth) -> Vec<(String, u64)> {
+        let since = now_us - self.window_us();
+        let current: BTreeMap<String, u64> = health.lost_total.iter().cloned().collect();
+        while self.lost_history.front().is_some_and(|(at, _)| *at < since) {
+            self.lost_history.pop_front();
+        }
+        let out = match self.lost_history.front() {
+            Some((_, base)) => current
+                .iter()
+                .filter_map(|(reason, n)| {
+                    let inc = n.saturating_sub(base.get(reason).copied().unwrap_or(0));
+                    (inc > 0).then(|| (reason.clone(), inc))
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        self.lost_history.push_back((now_us, current));
+        out
+    }
+
+    fn health_conditions(&self, lost: &[(String, u64)], store_up: Option<bool>) -> Vec<Condition> {
+        let w = crate::rules::prom_duration(self.t.rate_window_seconds);
+        let mut out = Vec::new();
+        for (reason, n) in lost {
+            out.push(Condition {
+                name: crate::rules::names::RECORDS_LOST,
+                severity: Severity::P1,
+                tier: "self",
+                key: "reason",
+                key_value: reason.clone(),
+                value: *n as f64,
+                for_s: 0,
+                summary: format!("tokenscope lost records ({reason})"),
+                description: format!(
+                    "{n} accepted records were never stored over {w} (reason {reason})."
+                ),
+            });
+        }
+        if store_up == Some(false) {
+            out.push(Condition {
+                name: crate::rules::names::STORE_DOWN,
+                severity: Severity::P1,
+                tier: "self",
+                key: "instance",
+                key_value: "gateway".to_owned(),
+                value: 0.0,
+                for_s: self.t.store_down_for_seconds,
+                summary: "tokenscope store of gateway is down".to_owned(),
+                description: "tokenscope_store_up is 0: records go to the spool until the store \
+                              accepts writes again."
+                    .to_owned(),
+            });
+        }
+        out
     }
 
     fn conditions(&self, now_us: i64, budget: &[(String, f64)]) -> Vec<Condition> {
@@ -576,8 +647,24 @@ impl AlertEvaluator {
     /// if known) and returns the notifications to send: new incidents that have held for their
     /// `for`, repeats (if configured), and incidents that ended.
     pub fn evaluate(&mut self, now_us: i64, budget: &[(String, f64)]) -> Vec<Notification> {
+        self.evaluate_with_health(now_us, budget, None)
+    }
+
+    /// Like [`evaluate`](Self::evaluate), with the gateway's own health: also the
+    /// `TokenscopeRecordsLost` (records lost over the rate window) and `TokenscopeStoreDown`
+    /// (store not accepting writes for its `for`) conditions.
+    pub fn evaluate_with_health(
+        &mut self,
+        now_us: i64,
+        budget: &[(String, f64)],
+        health: Option<&SelfHealth>,
+    ) -> Vec<Notification> {
         self.prune(now_us);
-        let conds = self.conditions(now_us, budget);
+        let mut conds = self.conditions(now_us, budget);
+        if let Some(h) = health {
+            let lost = self.lost_increase(now_us, h);
+            conds.extend(self.health_conditions(&lost, Some(h.store_up)));
+        }
         let mut out = Vec::new();
         let mut active = std::collections::BTreeSet::new();
         for c in conds {
@@ -785,6 +872,67 @@ mod tests {
         assert!(n.iter().all(|x| x.state == NotificationState::Firing
             && x.alert.starts_at_us == S
             && x.alert.labels == n[0].alert.labels));
+    }
+
+    #[test]
+    fn alerts_self_health_records_lost_and_store_down() {
+        let t = AlertThresholds {
+            store_down_for_seconds: 3,
+            ..t_fast()
+        };
+        let mut ev = AlertEvaluator::new(t, EvaluatorOptions::default());
+        let health = |lost: u64, up: bool| SelfHealth {
+            lost_total: vec![("spool_full".into(), lost), ("write_failed".into(), 0)],
+            store_up: up,
+        };
+        let mut sent = Vec::new();
+        // 0..5 s healthy; 5 s: 7 records lost (once); 8..14 s store down; then up again.
+        for sec in 0..40 {
+            let lost = if sec >= 5 { 7 } else { 0 };
+            let up = !(8..14).contains(&sec);
+            sent.extend(ev.evaluate_with_health(sec * S, &[], Some(&health(lost, up))));
+        }
+        let names: Vec<(String, NotificationState, Option<String>)> = sent
+            .iter()
+            .map(|n| {
+                (
+                    n.alert.labels["alertname"].clone(),
+                    n.state,
+                    n.alert.labels.get("reason").cloned(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            names,
+            vec![
+                (
+                    crate::rules::names::RECORDS_LOST.to_owned(),
+                    NotificationState::Firing,
+                    Some("spool_full".to_owned())
+                ),
+                (
+                    crate::rules::names::STORE_DOWN.to_owned(),
+                    NotificationState::Firing,
+                    None
+                ),
+                (
+                    crate::rules::names::STORE_DOWN.to_owned(),
+                    NotificationState::Resolved,
+                    None
+                ),
+                (
+                    crate::rules::names::RECORDS_LOST.to_owned(),
+                    NotificationState::Resolved,
+                    Some("spool_full".to_owned())
+                ),
+            ],
+            "{sent:#?}"
+        );
+        let lost = &sent[0].alert;
+        assert_eq!(lost.value, 7.0);
+        assert_eq!(lost.labels["severity"], "P1");
+        // The store-down incident fired only after it held for its `for` (3 s from 8 s).
+        assert_eq!(sent[1].alert.starts_at_us, 8 * S);
     }
 
     #[test]

@@ -155,7 +155,11 @@ struct Feed {
     dropped: Counter,
     /// The tracked business lines and their ratio, set once the budgets exist.
     budgets: std::sync::OnceLock<(Vec<String>, BudgetRatio)>,
+    /// Reads the gateway's own health (lost records, store up), set once the metrics exist.
+    health: std::sync::OnceLock<HealthFn>,
 }
+
+type HealthFn = Box<dyn Fn() -> tokenscope_analysis::alerts::SelfHealth + Send + Sync>;
 
 impl Feed {
     fn budget_usage(&self) -> Vec<(String, f64)> {
@@ -187,6 +191,16 @@ impl Alerting {
             return;
         }
         buf.push_back(s);
+    }
+
+    /// Lets the evaluator read the gateway's own health (once; later calls are ignored).
+    pub(crate) fn set_health(
+        &self,
+        health: impl Fn() -> tokenscope_analysis::alerts::SelfHealth + Send + Sync + 'static,
+    ) {
+        if let Some(feed) = &self.feed {
+            let _ = feed.health.set(Box::new(health));
+        }
     }
 
     /// Lets the evaluator read the budget usage of `lines` (once; later calls are ignored).
@@ -273,6 +287,7 @@ pub(crate) fn start(
         cap: section.buffer,
         dropped: metrics.samples_dropped.clone(),
         budgets: std::sync::OnceLock::new(),
+        health: std::sync::OnceLock::new(),
     });
     let evaluator = AlertEvaluator::new(
         section.thresholds.clone(),
@@ -318,11 +333,12 @@ async fn run(
         };
         let drained = std::mem::take(&mut *f.buf.lock());
         let budget = f.budget_usage();
+        let health = f.health.get().map(|h| h());
         drop(f);
         for s in drained {
             evaluator.push(s);
         }
-        outbox.extend(evaluator.evaluate(now_us(), &budget));
+        outbox.extend(evaluator.evaluate_with_health(now_us(), &budget, health.as_ref()));
         while outbox.len() > OUTBOX_MAX {
             outbox.pop_front();
         }

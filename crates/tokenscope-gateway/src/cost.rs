@@ -23,9 +23,12 @@
 //! `llm_budget_usage_ratio{business_line}` = the largest used/budget of the line's budgets.
 //! At startup the current periods are seeded from the embedded store by a background thread
 //! (records created before the gateway started; later ones arrive through `finish_record`,
-//! so none is counted twice). Not done in the gateway: automatic (`auto = true`) budgets
-//! (use `tokenscope budget`), seeding from ClickHouse (logged), and a period rollover without
-//! traffic (the gauge keeps the last period's value until the next request of the line).
+//! so none is counted twice). Automatic (`auto = true`) budgets: the tracker also keeps the
+//! line's usage per UTC day (the seed reads the 30 days before the period too) and the budget
+//! of a period is 1.2 (`auto_factor`) × the mean daily use of the 30 days before it × days in
+//! the period — the method of `tokenscope budget`. Not done in the gateway: seeding from
+//! ClickHouse (logged), and a period rollover without traffic (the gauge keeps the last
+//! period's value until the next request of the line).
 
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
@@ -119,17 +122,48 @@ struct PeriodUsage {
     usd: f64,
 }
 
+const DAY_US: i64 = 86_400_000_000;
+
 #[derive(Debug)]
 struct Tracked {
     cfg: BudgetConfig,
     usage: Mutex<PeriodUsage>,
+    /// Automatic budgets: tokens and USD of the line per UTC day (day index), the last
+    /// `BASELINE_DAYS` + 31 days, for the baseline of the current period.
+    daily: Option<Mutex<std::collections::BTreeMap<i64, (u64, f64)>>>,
 }
 
 impl Tracked {
+    /// `(tokens, usd)` budget of the current period: explicit, or for `auto` the factor ×
+    /// mean daily use over the `BASELINE_DAYS` days before the period start × days in the
+    /// period (the method of `tokenscope budget`); a zero baseline gives no budget.
+    fn budget(&self, period_start_us: i64) -> (Option<f64>, Option<f64>) {
+        let Some(daily) = &self.daily else {
+            return (self.cfg.tokens.map(|t| t as f64), self.cfg.usd);
+        };
+        let days_in_period = {
+            let (start, end) = self.cfg.period.bounds(period_start_us);
+            ((end - start) / DAY_US) as f64
+        };
+        let first = period_start_us.div_euclid(DAY_US);
+        let base = tokenscope_analysis::budget::BASELINE_DAYS;
+        let (tok, usd) = daily
+            .lock()
+            .range(first - base..first)
+            .fold((0u64, 0.0), |(t, u), (_, (dt, du))| (t + dt, u + du));
+        let factor = self.cfg.auto_factor.unwrap_or(1.2);
+        let per_day = |v: f64| factor * v / base as f64 * days_in_period;
+        (
+            Some(per_day(tok as f64)).filter(|v| *v > 0.0),
+            Some(per_day(usd)).filter(|v| *v > 0.0),
+        )
+    }
+
     fn ratio(&self) -> f64 {
         let u = *self.usage.lock();
-        let t = self.cfg.tokens.map(|b| u.tokens as f64 / b as f64);
-        let d = self.cfg.usd.map(|b| u.usd / b);
+        let (bt, bu) = self.budget(u.start_us);
+        let t = bt.map(|b| u.tokens as f64 / b);
+        let d = bu.map(|b| u.usd / b);
         t.unwrap_or(0.0).max(d.unwrap_or(0.0))
     }
 }
@@ -149,15 +183,19 @@ impl std::fmt::Debug for BudgetTracker {
 }
 
 impl BudgetTracker {
-    /// Tracks the explicit budgets of `budgets` (automatic ones are skipped); every tracked
-    /// line's gauge starts at 0.
+    /// Tracks the budgets of `budgets` (explicit ones, and automatic ones from the daily
+    /// usage the tracker sees — seeded from the store's last 30 days); every tracked line's
+    /// gauge starts at 0.
     pub fn new(budgets: &[BudgetConfig], metrics: Option<Arc<Metrics>>) -> Self {
         let tracked: Vec<Tracked> = budgets
             .iter()
-            .filter(|b| !b.auto && (b.tokens.is_some() || b.usd.is_some()))
+            .filter(|b| b.auto || b.tokens.is_some() || b.usd.is_some())
             .map(|b| Tracked {
                 cfg: b.clone(),
                 usage: Mutex::new(PeriodUsage::default()),
+                daily: b
+                    .auto
+                    .then(|| Mutex::new(std::collections::BTreeMap::new())),
             })
             .collect();
         if let Some(m) = &metrics {
@@ -173,11 +211,19 @@ impl BudgetTracker {
         self.tracked.is_empty()
     }
 
-    /// `[earliest current period start, now)`: what a seed must read.
+    /// `[earliest current period start (minus the 30 baseline days for automatic budgets),
+    /// now)`: what a seed must read.
     pub fn seed_window(&self, now_us: i64) -> Option<(i64, i64)> {
         self.tracked
             .iter()
-            .map(|t| t.cfg.period.bounds(now_us).0)
+            .map(|t| {
+                let start = t.cfg.period.bounds(now_us).0;
+                if t.daily.is_some() {
+                    start - tokenscope_analysis::budget::BASELINE_DAYS * DAY_US
+                } else {
+                    start
+                }
+            })
             .min()
             .map(|s| (s, now_us))
     }
@@ -189,6 +235,18 @@ impl BudgetTracker {
         };
         let mut touched = false;
         for t in self.tracked.iter().filter(|t| t.cfg.business_line == line) {
+            if let Some(daily) = &t.daily {
+                let day = rec.created_at.div_euclid(DAY_US);
+                let mut d = daily.lock();
+                let e = d.entry(day).or_insert((0, 0.0));
+                e.0 += tokenscope_analysis::total_tokens(rec);
+                e.1 += rec.cost_usd.unwrap_or(0.0);
+                // Keep what the baseline of the current or next period can need.
+                let keep_from = day - tokenscope_analysis::budget::BASELINE_DAYS - 31;
+                while d.first_key_value().is_some_and(|(k, _)| *k < keep_from) {
+                    d.pop_first();
+                }
+            }
             let (start, _) = t.cfg.period.bounds(rec.created_at);
             let mut u = t.usage.lock();
             if start > u.start_us {
@@ -417,7 +475,38 @@ mod tests {
         r.created_at = t0 + 1;
         b.add(&r);
         assert!((b.ratio("s") - 0.9).abs() < 1e-12);
-        assert_eq!(b.ratio("auto"), 0.0);
-        assert_eq!(b.seed_window(t0 + 7), Some((t0 - 7 * day, t0 + 7)));
+        assert_eq!(b.ratio("auto"), 0.0, "no baseline yet: no budget");
+        // The seed reads the automatic budget's 30 baseline days too.
+        assert_eq!(b.seed_window(t0 + 7), Some((t0 - 30 * day, t0 + 7)));
+    }
+
+    #[test]
+    fn automatic_budget_from_thirty_days_of_usage() {
+        let day = 86_400_000_000i64;
+        let t0 = 19_000 * day;
+        let b = BudgetTracker::new(
+            &[BudgetConfig {
+                business_line: "auto".into(),
+                auto: true,
+                ..BudgetConfig::default()
+            }],
+            None,
+        );
+        // 30 days of 1 000 tokens a day (two records each), then 600 today: the budget is
+        // 1.2 × 1 000 × 1 day = 1 200 tokens, the ratio 0.5. A day older than the baseline
+        // does not count.
+        let mut r = rec("m", 400, 100);
+        r.business_line = Some("auto".into());
+        for d in 1..=31 {
+            for half in 0..2 {
+                r.created_at = t0 - d * day + half * 1000;
+                b.add(&r);
+            }
+        }
+        r.created_at = t0 + 10;
+        r.input_tokens = Some(500);
+        r.output_tokens = Some(100);
+        b.add(&r);
+        assert!((b.ratio("auto") - 0.5).abs() < 1e-12, "{}", b.ratio("auto"));
     }
 }

@@ -595,6 +595,17 @@ impl Gateway {
         tokenscope_engine_state::register_metrics(metrics.registry_mut(), &states, gpu.as_ref());
         let alerting = alerting::start(&cfg.alerts, &cfg.admin_listen, metrics.registry_mut())?;
         let metrics = Arc::new(metrics);
+        {
+            let m = metrics.clone();
+            alerting.set_health(move || tokenscope_analysis::alerts::SelfHealth {
+                lost_total: m
+                    .records_lost_totals()
+                    .into_iter()
+                    .map(|(r, n)| (r.to_owned(), n))
+                    .collect(),
+                store_up: m.store_is_up(),
+            });
+        }
         let tracing = start_tracing(&cfg.tracing, &metrics)?;
         let target = StoreTarget::parse(&cfg.store);
         let store_err = |source: StoreError| GatewayError::Store {

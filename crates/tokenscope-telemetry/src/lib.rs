@@ -709,6 +709,26 @@ impl Metrics {
         dropped + lost
     }
 
+    /// Accepted records lost so far, by reason (every reason, zeros included).
+    pub fn records_lost_totals(&self) -> Vec<(&'static str, u64)> {
+        LOSS_REASONS
+            .iter()
+            .map(|reason| {
+                (
+                    *reason,
+                    self.records_lost
+                        .get_or_create(&ReasonLabels { reason })
+                        .get(),
+                )
+            })
+            .collect()
+    }
+
+    /// Whether the store accepts writes (`tokenscope_store_up == 1`).
+    pub fn store_is_up(&self) -> bool {
+        self.store_up.get() != 0
+    }
+
     /// Encodes the registry in the OpenMetrics text format.
     pub fn encode(&self) -> String {
         let mut out = String::with_capacity(16 * 1024);

@@ -172,6 +172,14 @@ output_per_mtok = 0.6
 [[prices]]
 model = "qwen*"
 gpu_hourly_usd = 2.5
+[[budgets]]
+business_line = "search"
+period = "daily"
+tokens = 2000000
+[[budgets]]
+business_line = "ads"
+period = "monthly"
+auto = true
 "#,
     )
     .expect("config");
@@ -182,6 +190,8 @@ gpu_hourly_usd = 2.5
     for cmd in [
         vec!["cost"],
         vec!["cost", "--by", "model"],
+        vec!["cost", "--by", "business_line,user"],
+        vec!["budget"],
         vec!["anomalies"],
         vec!["waste"],
         vec!["diagnose"],

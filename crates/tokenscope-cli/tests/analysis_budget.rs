@@ -167,7 +167,7 @@ auto = true
 }
 
 async fn wait_ratio(gw: &GatewayProc, line: &str, want: f64) -> f64 {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let v = metric_where(
             &gw.metrics().await,
@@ -322,4 +322,63 @@ async fn business_metrics_api_feeds_the_growth_check() {
     // Without the metric (flag override to flat) the same growth is abnormal.
     let j = budget_json(&store, &config, &["--business-metric", "burst=100:100"]);
     assert_eq!(j["growth"][0]["status"], "abnormal_growth");
+}
+
+/// A gateway on ClickHouse seeds the gauge from the rows already there (an automatic budget
+/// from 30 days of history, and this month's usage), like on the embedded store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budget_usage_ratio_gauge_seeded_from_clickhouse() {
+    use tokenscope_clickhouse::testutil::{clickhouse_or_skip, ClickHouseServer};
+    if !clickhouse_or_skip() {
+        return;
+    }
+    let ch = ClickHouseServer::start().expect("start clickhouse");
+    let url = ch.url("ts_budget_seed");
+    let store = tokenscope_clickhouse::ClickHouseStore::connect_url(&url).expect("connect");
+    store.migrate().expect("migrate");
+    let day = 86_400_000_000i64;
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_micros() as i64;
+    let today = now_us.div_euclid(day) * day;
+    // 30 days before today: 1 000 tokens a day for "ads"; today 300 so far.
+    let mut recs = Vec::new();
+    for d in 1..=30 {
+        recs.push(tokenscope_core::RequestRecord {
+            request_id: format!("hist-{d}"),
+            trace_id: format!("{:032x}", d + 1),
+            created_at: today - d * day + 3_600_000_000,
+            model: "m".into(),
+            business_line: Some("ads".into()),
+            input_tokens: Some(800),
+            output_tokens: Some(200),
+            ..tokenscope_core::RequestRecord::default()
+        });
+    }
+    recs.push(tokenscope_core::RequestRecord {
+        request_id: "today".into(),
+        trace_id: format!("{:032x}", 999),
+        created_at: today + 1,
+        model: "m".into(),
+        business_line: Some("ads".into()),
+        input_tokens: Some(200),
+        output_tokens: Some(100),
+        ..tokenscope_core::RequestRecord::default()
+    });
+    store.insert(&recs).expect("insert");
+
+    let mock = MockProc::start(&[]);
+    let dir = tempfile::tempdir().expect("tmp");
+    let config = dir.path().join("budgets.toml");
+    std::fs::write(
+        &config,
+        "[[budgets]]\nbusiness_line = \"ads\"\nperiod = \"daily\"\nauto = true\n",
+    )
+    .expect("config");
+    let cfg = config.to_str().expect("utf-8");
+    let gw =
+        GatewayProc::start_with_args(Some(&mock.url()), &["--config", cfg, "--store", &url], &[]);
+    // Budget 1.2 × 1 000 × 1 day = 1 200 tokens; used 300 → 0.25.
+    assert_eq!(wait_ratio(&gw, "ads", 0.25).await, 0.25);
 }

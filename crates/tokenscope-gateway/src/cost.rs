@@ -21,13 +21,13 @@
 //! record of a newer period starts it afresh, one of an older period is ignored), updated in
 //! `finish_record` (one short mutex per budget of the record's line), and sets
 //! `llm_budget_usage_ratio{business_line}` = the largest used/budget of the line's budgets.
-//! At startup the current periods are seeded from the embedded store by a background thread
+//! At startup the current periods are seeded from the store by a background thread
 //! (records created before the gateway started; later ones arrive through `finish_record`,
 //! so none is counted twice). Automatic (`auto = true`) budgets: the tracker also keeps the
 //! line's usage per UTC day (the seed reads the 30 days before the period too) and the budget
 //! of a period is 1.2 (`auto_factor`) × the mean daily use of the 30 days before it × days in
-//! the period — the method of `tokenscope budget`. Not done in the gateway: seeding from
-//! ClickHouse (logged), and a period rollover without traffic (the gauge keeps the last
+//! the period — the method of `tokenscope budget`. The seed reads the embedded store or
+//! ClickHouse alike. Not done: a period rollover without traffic (the gauge keeps the last
 //! period's value until the next request of the line).
 
 use parking_lot::Mutex;
@@ -282,12 +282,14 @@ impl BudgetTracker {
     }
 }
 
-/// Seeds `tracker` from the embedded store at `path` in a background thread: the records of
-/// the current periods created before `now_us` (the gateway's start). A record without
-/// `cost_usd` (written before schema v5) is priced with the API prices of `prices`.
-pub fn seed_from_sqlite(
+/// Seeds `tracker` from the store (embedded or ClickHouse) in a background thread: the
+/// records of the current periods (and the baseline days of automatic budgets) created before
+/// `now_us` (the gateway's start). A record without `cost_usd` (written before the cost
+/// column) is priced with the API prices of `prices`. A store that cannot be read leaves the
+/// usage counted from the start on (logged).
+pub fn seed_from_store(
     tracker: Arc<BudgetTracker>,
-    path: std::path::PathBuf,
+    target: crate::StoreTarget,
     prices: PriceTable,
     now_us: i64,
 ) {
@@ -297,8 +299,18 @@ pub fn seed_from_sqlite(
     let spawned = std::thread::Builder::new()
         .name("tokenscope-budget-seed".into())
         .spawn(move || {
-            let records = tokenscope_store::SqliteStore::open_read_only(&path)
-                .and_then(|db| db.records_between(since, until));
+            let records: Result<Vec<RequestRecord>, String> = match &target {
+                crate::StoreTarget::Sqlite(path) => {
+                    tokenscope_store::SqliteStore::open_read_only(path)
+                        .and_then(|db| db.records_between(since, until))
+                        .map_err(|e| e.to_string())
+                }
+                crate::StoreTarget::ClickHouse(url) => {
+                    tokenscope_clickhouse::ClickHouseStore::connect_url(url)
+                        .and_then(|ch| ch.records_between(since, until))
+                        .map_err(|e| e.to_string())
+                }
+            };
             match records {
                 Ok(records) => {
                     for mut r in records {
@@ -307,9 +319,13 @@ pub fn seed_from_sqlite(
                         }
                         tracker.add(&r);
                     }
-                    tracing::info!("budget usage seeded from the embedded store");
+                    tracing::info!(store = %target.display(), "budget usage seeded from the store");
                 }
-                Err(e) => tracing::warn!(error = %e, "budget usage: seeding from the store failed"),
+                Err(e) => tracing::warn!(
+                    store = %target.display(),
+                    error = %e,
+                    "budget usage: seeding from the store failed; counted from this start on"
+                ),
             }
         });
     if let Err(e) = spawned {

@@ -693,17 +693,12 @@ impl Gateway {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_micros() as i64)
                 .unwrap_or(0);
-            match &target {
-                StoreTarget::Sqlite(path) => cost::seed_from_sqlite(
-                    budgets.clone(),
-                    path.clone(),
-                    tokenscope_analysis::PriceTable::new(cfg.prices.clone()),
-                    started_us,
-                ),
-                StoreTarget::ClickHouse(_) => tracing::info!(
-                    "budget usage is counted from this start on (not seeded from ClickHouse)"
-                ),
-            }
+            cost::seed_from_store(
+                budgets.clone(),
+                target.clone(),
+                tokenscope_analysis::PriceTable::new(cfg.prices.clone()),
+                started_us,
+            );
         }
         let shared = Arc::new(Shared {
             api_keys: cfg.api_key_map(),

@@ -263,7 +263,7 @@ pub fn diagnose(
         success_step(&recs, opts),
         ttft_step(&recs, window, opts),
         tpot_step(&recs, opts),
-        tokens_step(&recs, window, opts),
+        tokens_step(&recs, records, window, opts),
         network_step(&recs, opts),
     ];
     let problems: Vec<&Step> = steps
@@ -708,7 +708,12 @@ fn caller(r: &RequestRecord) -> &str {
         .unwrap_or("(unknown)")
 }
 
-fn tokens_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) -> Step {
+fn tokens_step(
+    recs: &[&RequestRecord],
+    all: &[RequestRecord],
+    window: Window,
+    opts: &DiagnoseOptions,
+) -> Step {
     let mut b = StepBuilder::new("tokens");
     b.th("token_growth_ratio", opts.token_growth_ratio);
     b.th("min_samples", opts.min_samples as f64);
@@ -764,6 +769,71 @@ fn tokens_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) 
     b.ev("tokens_per_request_second_half", num(a2));
     b.ev("tokens_per_request_growth", num(growth));
     let enough = n1 >= opts.min_samples && n2 >= opts.min_samples;
+    // Anomalies of the window against its own first half (the `tokenscope anomalies`
+    // method, default thresholds): spikes per caller, loops, duplicate bursts.
+    let found = crate::anomalies::anomalies(
+        all,
+        window,
+        crate::anomalies::Baseline::FirstHalf,
+        &crate::anomalies::AnomalyOptions::default(),
+    )
+    .ok();
+    if let Some(a) = &found {
+        b.ev(
+            "anomaly_spikes",
+            Value::Array(
+                a.spikes
+                    .iter()
+                    .take(opts.top_callers)
+                    .map(|s| json!({"caller": s.caller, "factor": num(s.factor)}))
+                    .collect(),
+            ),
+        );
+        b.ev(
+            "anomaly_loops",
+            Value::Array(
+                a.loops
+                    .iter()
+                    .take(opts.top_callers)
+                    .map(|l| {
+                        json!({"caller": l.caller, "prompt_hash": l.prompt_hash,
+                                     "requests": l.requests, "period_s": num(Some(l.period_s))})
+                    })
+                    .collect(),
+            ),
+        );
+        b.ev("anomaly_bursts", json!(a.bursts.len()));
+    }
+    // Listed as evidence, not judged here: the first-half baseline is a rough one for sparse
+    // callers, and a fixed-period caller is not a latency problem; `tokenscope anomalies`
+    // (with a prior baseline) is the judge.
+    let noted: Vec<String> =
+        found
+            .as_ref()
+            .map(|a| {
+                a.spikes
+                    .iter()
+                    .map(|s| format!("{} spike", s.caller))
+                    .chain(a.loops.iter().map(|l| {
+                        format!("{} repeats one prompt every {:.1}s", l.caller, l.period_s)
+                    }))
+                    .chain(
+                        a.bursts
+                            .iter()
+                            .map(|b| format!("burst of {} identical prompts", b.requests)),
+                    )
+                    .take(3)
+                    .collect()
+            })
+            .unwrap_or_default();
+    let noted = if noted.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; anomaly candidates: {} (check with `tokenscope anomalies`)",
+            noted.join("; ")
+        )
+    };
     if enough && growth.is_some_and(|g| g >= opts.token_growth_ratio) {
         b.find(
             "token_growth",
@@ -773,7 +843,7 @@ fn tokens_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) 
             ],
         );
         b.step.summary = format!(
-            "tokens per request grew {:.1}x between the window's halves",
+            "tokens per request grew {:.1}x between the window's halves{noted}",
             growth.unwrap_or(0.0)
         );
     } else {
@@ -781,8 +851,9 @@ fn tokens_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) 
             .first()
             .map(|(c, (t, _))| format!("{c} {:.0}%", *t as f64 * 100.0 / (total.max(1)) as f64))
             .unwrap_or_default();
-        b.step.summary =
-            format!("{total} tokens from {callers} caller(s) (top: {lead}); no abnormal growth");
+        b.step.summary = format!(
+            "{total} tokens from {callers} caller(s) (top: {lead}); no abnormal growth{noted}"
+        );
     }
     b.step
 }
@@ -1085,6 +1156,30 @@ mod tests {
         let s = step(&r, "ttft");
         assert_eq!(s.findings, vec!["queueing".to_owned()]);
         assert_eq!(s.evidence["queue_share"], json!(0.7));
+    }
+
+    #[test]
+    fn token_step_lists_anomaly_candidates() {
+        // One caller repeating one prompt every 5 s over the window: listed (caller, period) in
+        // the tokens step's evidence and summary, not judged there.
+        let recs: Vec<_> = (0..20)
+            .map(|i| {
+                let mut r = rec(i, i as i64 * 5000, 100, 20.0);
+                r.user_id = Some("cron".into());
+                r.prompt_hash = Some("h1".into());
+                r
+            })
+            .collect();
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "tokens");
+        assert_eq!(s.evidence["anomaly_loops"][0]["caller"], json!("cron"));
+        assert_eq!(s.evidence["anomaly_loops"][0]["period_s"], json!(5.0));
+        assert!(
+            s.summary.contains("cron repeats one prompt every 5.0s"),
+            "{}",
+            s.summary
+        );
+        assert_eq!(s.verdict, Verdict::Ok);
     }
 
     #[test]

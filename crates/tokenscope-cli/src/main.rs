@@ -4,6 +4,7 @@
 //! `anyhow` is used here only.
 
 mod analyze;
+mod bench;
 mod demo;
 mod duration;
 
@@ -49,6 +50,8 @@ enum Cmd {
     Capacity(analyze::capacity::CapacityArgs),
     /// Export configuration for other systems (`prometheus-rules`).
     Export(analyze::rules::ExportArgs),
+    /// Open-loop load test of an OpenAI-compatible endpoint: percentiles per rate, the knee.
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Args)]
@@ -370,5 +373,6 @@ fn main() -> Result<()> {
         Cmd::Diagnose(a) => analyze::diagnose::run(a),
         Cmd::Capacity(a) => analyze::capacity::run(a),
         Cmd::Export(a) => analyze::rules::run(a),
+        Cmd::Bench(a) => rt.block_on(bench::run(a)),
     }
 }

@@ -1,0 +1,273 @@
+#!/usr/bin/env bash
+# tokenscope's own overhead (issue 7): the same load against the mock engine directly and
+# through the gateway (metrics, SQLite store and OTLP tracing on), in one run.
+#
+#   scripts/overhead.sh [OUT.md]        (default: $CARGO_TARGET_DIR/overhead.md)
+#
+# What it does (docs/benchmarks.md, "tokenscope's own overhead", has a run and its reading):
+#  1. builds `tokenscope` (release) and starts two mock engines on 127.0.0.1:0:
+#     * "fast": --slots 256 --time-scale 0 (MOCK_TIME_SCALE), for the latency runs: every
+#       simulated duration is zero, so a 100-token stream is generated as fast as it is read
+#       (~0.8 ms end to end direct) and the mock's first token never waits for a timer. With a
+#       time scale > 0 the mock's steps sleep on tokio's 1 ms timer, its TTFT is quantised in
+#       ~1.2 ms steps, and the load generator's sends appear synchronised with the mock's
+#       bursts, which turns a ~0.3 ms proxy delay into "missed the burst: +1 ms" for most
+#       requests (docs/benchmarks.md). Its own CPU is reported per run;
+#     * "slow": --slots 1024 --decode-base-ms 500 (one token per stream every 0.5 – 1 s), for
+#       the memory run: 1 000 streams stay open for 10 s and more while producing only
+#       ~1 500 events/s in all;
+#  2. starts an OTLP/HTTP sink (crates/tokenscope-trace/tests/otlp_receiver.py in the venv of
+#     crates/tokenscope-otlp/scripts/install-python-otel.sh) and `tokenscope serve` with the
+#     SQLite store, Prometheus metrics (always on) and `--otlp-endpoint` at the sink,
+#     `--trace-sample-ratio 0.01` (the default, written out; errors, slow requests and
+#     requests above the running P99 are kept as well). The gateway gets both mocks through a
+#     config file: the fast one is the default upstream, the slow one serves models `slow-*`;
+#  3. `tokenscope bench` at $RATE req/s (constant arrivals, seed 1, the bench's default
+#     prompt mix 80:64-256,20:2048-4096), streamed, $TOKENS output tokens, $DURATION per run:
+#     warm-up (direct, gateway), then direct, gateway, direct, gateway; added TTFT / e2e
+#     P50 / P99 = gateway − direct for each pair;
+#  4. the gateway's CPU (utime + stime from /proc/PID/stat) over each gateway run → CPU per
+#     request and per SSE event (the mock sends role + $TOKENS tokens + finish + usage +
+#     [DONE] = $TOKENS + 4 events per streamed request);
+#  5. 1 000 concurrent streams through the same gateway (500 req/s for 2 s against the slow
+#     mock): samples llm_requests_in_flight and VmRSS every 200 ms; reports the peak;
+#  6. prints a markdown table and writes it to OUT.md.
+#
+# Environment: CARGO_TARGET_DIR (default $HOME/.cache/tokenscope/target), TOKENSCOPE_CACHE
+# (default $HOME/.cache/tokenscope), RATE (500), DURATION (20s), TOKENS (100), PAIRS (2),
+# STREAMS (1000), MOCK_TIME_SCALE (0), TOKENSCOPE_BIN (use this binary, no build),
+# KEEP=1 keeps the work directory (bench JSON, logs, spans).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tokenscope/target}"
+TOKENSCOPE_CACHE="${TOKENSCOPE_CACHE:-$HOME/.cache/tokenscope}"
+OUT="${1:-$CARGO_TARGET_DIR/overhead.md}"
+RATE="${RATE:-500}"
+DURATION="${DURATION:-20s}"
+TOKENS="${TOKENS:-100}"
+PAIRS="${PAIRS:-2}"
+STREAMS="${STREAMS:-1000}"
+MOCK_TIME_SCALE="${MOCK_TIME_SCALE:-0}"
+EVENTS_PER_REQ=$((TOKENS + 4))
+# Targets (issue 7).
+T_TTFT_P50_MS=0.2
+T_TTFT_P99_MS=1
+T_RSS_BYTES=64000000   # 64 MB (10^6 bytes; = 61.0 MiB), the stricter reading
+
+PY="$TOKENSCOPE_CACHE/otel-venv/bin/python"
+RECEIVER=crates/tokenscope-trace/tests/otlp_receiver.py
+if [ ! -x "$PY" ]; then
+  echo "overhead.sh: no $PY; run crates/tokenscope-otlp/scripts/install-python-otel.sh" >&2
+  exit 1
+fi
+for tool in jq curl awk getconf; do
+  command -v "$tool" >/dev/null || { echo "overhead.sh: $tool is required" >&2; exit 1; }
+done
+
+log() { printf '==> %s (%s)\n' "$*" "$(date -u +%H:%M:%S)" >&2; }
+
+if [ -n "${TOKENSCOPE_BIN:-}" ]; then
+  BIN="$TOKENSCOPE_BIN"
+else
+  log "cargo build --release -p tokenscope-cli"
+  cargo build --release -p tokenscope-cli
+  BIN="$CARGO_TARGET_DIR/release/tokenscope"
+fi
+
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/tokenscope-overhead.XXXXXX")"
+PIDS=()
+cleanup() {
+  local rc=$?
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null || true; done
+  if [ "${KEEP:-0}" = "1" ] || [ "$rc" != 0 ]; then
+    echo "overhead.sh: work directory kept: $WORK" >&2
+  else
+    rm -rf "$WORK"
+  fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+ulimit -n 16384 2>/dev/null || true   # 1 000 streams = ~2 000 sockets in the gateway
+
+# wait_line FILE PATTERN: prints the first line of FILE matching the extended regex (30 s max).
+wait_line() {
+  local i
+  for i in $(seq 300); do
+    if grep -Eq "$2" "$1" 2>/dev/null; then grep -Em1 "$2" "$1"; return 0; fi
+    sleep 0.1
+  done
+  echo "overhead.sh: no line /$2/ in $1:" >&2; cat "$1" >&2; return 1
+}
+# cpu_ticks PID: utime + stime (fields 14, 15 of /proc/PID/stat), in CLK_TCK units.
+cpu_ticks() { sed 's/^.*) //' "/proc/$1/stat" | awk '{print $12 + $13}'; }
+status_kb() { awk -v k="$2:" '$1==k{print $2}' "/proc/$1/status"; }
+now_s() { date +%s.%N; }
+calc() { awk "BEGIN{printf \"%s\", $*}"; }
+f2() { awk -v x="$1" 'BEGIN{printf "%.2f", x}'; }
+f3() { awk -v x="$1" 'BEGIN{printf "%.3f", x}'; }
+CLK_TCK="$(getconf CLK_TCK)"
+
+# ---- processes -------------------------------------------------------------------------------
+log "starting the mock engines, the OTLP sink and the gateway"
+export TOKENSCOPE_LOG=warn
+"$BIN" mock-engine --listen 127.0.0.1:0 --slots 256 --time-scale "$MOCK_TIME_SCALE" \
+  >"$WORK/mock.out" 2>"$WORK/mock.err" &
+MOCK_PID=$!; PIDS+=("$MOCK_PID")
+"$BIN" mock-engine --listen 127.0.0.1:0 --slots 1024 --time-scale 1 --decode-base-ms 500 \
+  --prefill-ms-per-token 0 --max-prefill-tokens-per-step 1000000 \
+  >"$WORK/slow.out" 2>"$WORK/slow.err" &
+SLOW_PID=$!; PIDS+=("$SLOW_PID")
+"$PY" "$RECEIVER" --protocol http --port 0 --out "$WORK/spans.jsonl" \
+  >"$WORK/otlp.out" 2>"$WORK/otlp.err" &
+OTLP_PID=$!; PIDS+=("$OTLP_PID")
+
+MOCK="$(wait_line "$WORK/mock.out" '^tokenscope mock-engine listening on ' | awk '{print $NF}')"
+SLOW="$(wait_line "$WORK/slow.out" '^tokenscope mock-engine listening on ' | awk '{print $NF}')"
+OTLP_PORT="$(wait_line "$WORK/otlp.out" '^LISTENING ' | awk '{print $2}')"
+
+cat >"$WORK/gateway.toml" <<EOF
+[[upstreams]]
+name = "mock"
+url = "http://$MOCK"
+default = true
+
+[[upstreams]]
+name = "mock-slow"
+url = "http://$SLOW"
+models = ["slow-*"]
+EOF
+TOKENSCOPE_SPOOL__DIR="$WORK/spool" "$BIN" serve --config "$WORK/gateway.toml" \
+  --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --store "$WORK/ts.db" \
+  --otlp-endpoint "http://127.0.0.1:$OTLP_PORT" --otlp-protocol http --trace-sample-ratio 0.01 \
+  >"$WORK/gateway.out" 2>"$WORK/gateway.err" &
+GW_PID=$!; PIDS+=("$GW_PID")
+READY="$(wait_line "$WORK/gateway.out" '^tokenscope listening proxy=')"
+PROXY="$(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' <<<"$READY")"
+ADMIN="$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' <<<"$READY")"
+log "mock http://$MOCK, slow mock http://$SLOW, OTLP sink :$OTLP_PORT, gateway http://$PROXY (admin $ADMIN)"
+sleep 1
+RSS_IDLE_KB="$(status_kb "$GW_PID" VmRSS)"
+
+metric_sum() { # metric_sum NAME: sum of the samples of NAME (all label sets) on /metrics
+  curl -sf "http://$ADMIN/metrics" | awk -v n="$1" '($1==n || index($1, n"{")==1){s+=$NF} END{printf "%.9f", s+0}'
+}
+
+# ---- latency runs ----------------------------------------------------------------------------
+BENCH_ARGS=(--rates "$RATE" --duration "$DURATION" --arrival constant --seed 1
+  --mix 80:64-256,20:2048-4096 --stream --output-tokens "$TOKENS" --format json)
+
+# run_bench NAME TARGET: one level; writes $WORK/NAME.json and $WORK/NAME.env (CPU etc.).
+run_bench() {
+  local name=$1 target=$2 g0 m0 t0 oc0 os0 g1 m1 t1 oc1 os1
+  log "bench $name → $target ($RATE req/s, $DURATION)"
+  oc0="$(metric_sum tokenscope_gateway_overhead_seconds_count)"
+  os0="$(metric_sum tokenscope_gateway_overhead_seconds_sum)"
+  g0="$(cpu_ticks "$GW_PID")"; m0="$(cpu_ticks "$MOCK_PID")"; t0="$(now_s)"
+  "$BIN" bench --target "http://$target" --request-id-prefix "ovh-$name" "${BENCH_ARGS[@]}" \
+    >"$WORK/$name.json" 2>"$WORK/$name.err"
+  t1="$(now_s)"; g1="$(cpu_ticks "$GW_PID")"; m1="$(cpu_ticks "$MOCK_PID")"
+  oc1="$(metric_sum tokenscope_gateway_overhead_seconds_count)"
+  os1="$(metric_sum tokenscope_gateway_overhead_seconds_sum)"
+  {
+    echo "wall=$(calc "$t1 - $t0")"
+    echo "gw_ticks=$((g1 - g0))"
+    echo "mock_ticks=$((m1 - m0))"
+    echo "ovh_n=$(calc "$oc1 - $oc0")"
+    echo "ovh_s=$(calc "$os1 - $os0")"
+  } >"$WORK/$name.env"
+  sleep 2   # let the store writer and the exporter catch up before the next run
+}
+
+run_bench warmup-direct "$MOCK"
+run_bench warmup-gateway "$PROXY"
+for i in $(seq "$PAIRS"); do
+  run_bench "direct$i" "$MOCK"
+  run_bench "gateway$i" "$PROXY"
+done
+RSS_AFTER_KB="$(status_kb "$GW_PID" VmRSS)"
+
+# ---- 1 000 concurrent streams ----------------------------------------------------------------
+SRATE=500
+SDUR_MS=$((STREAMS * 1000 / SRATE))
+log "holding $STREAMS streams open through the gateway ($SRATE req/s for ${SDUR_MS}ms, slow mock)"
+"$BIN" bench --target "http://$PROXY" --model slow-1 --rates "$SRATE" --duration "${SDUR_MS}ms" \
+  --arrival constant --mix 8-16 --stream --output-tokens 20 --concurrency $((STREAMS + 100)) \
+  --request-id-prefix ovh-streams --format json >"$WORK/streams.json" 2>"$WORK/streams.err" &
+SB_PID=$!; PIDS+=("$SB_PID")
+PEAK_RSS_KB=0; PEAK_RSS_INFLIGHT=0; MAX_INFLIGHT=0; RSS_AT_MAX_KB=0
+while kill -0 "$SB_PID" 2>/dev/null; do
+  inflight="$(metric_sum llm_requests_in_flight)"; inflight="${inflight%.*}"
+  rss="$(status_kb "$GW_PID" VmRSS)"
+  if [ "$rss" -gt "$PEAK_RSS_KB" ]; then PEAK_RSS_KB=$rss; PEAK_RSS_INFLIGHT=$inflight; fi
+  if [ "$inflight" -gt "$MAX_INFLIGHT" ] || { [ "$inflight" -eq "$MAX_INFLIGHT" ] && [ "$rss" -gt "$RSS_AT_MAX_KB" ]; }; then
+    MAX_INFLIGHT=$inflight; RSS_AT_MAX_KB=$rss
+  fi
+  echo "$(date +%s.%N) inflight=$inflight rss_kb=$rss" >>"$WORK/streams.samples"
+  sleep 0.2
+done
+wait "$SB_PID" || true
+HWM_KB="$(status_kb "$GW_PID" VmHWM)"
+
+# ---- results ---------------------------------------------------------------------------------
+sleep 2
+curl -sf "http://$ADMIN/metrics" >"$WORK/metrics.txt" || true
+mval() { awk -v n="$1" '($1==n || index($1, n"{")==1){s+=$NF} END{printf "%d", s+0}' "$WORK/metrics.txt"; }
+REC_WRITTEN="$(mval tokenscope_records_written_total)"
+REC_DROPPED="$(mval tokenscope_records_dropped_total)"
+REC_LOST="$(mval tokenscope_records_lost_total)"
+SPANS_EXPORTED="$(mval tokenscope_trace_spans_exported_total)"
+SPANS_DROPPED="$(mval tokenscope_trace_spans_dropped_total)"
+SPANS_RECEIVED="$( (wc -l <"$WORK/spans.jsonl") 2>/dev/null || echo 0)"
+
+jf() { jq -r ".[0]$2" "$WORK/$1.json"; }
+envv() { awk -F= -v k="$2" '$1==k{print $2}' "$WORK/$1.env"; }
+MIB() { awk -v k="$1" 'BEGIN{printf "%.1f", k/1024}'; }
+yes_no() { if [ "$1" = 1 ]; then echo "**met**"; else echo "**not met**"; fi; }
+
+{
+  echo "Run $(date -u +%Y-%m-%dT%H:%MZ), $(nproc) CPUs ($(awk -F': ' '/^model name/{print $2; exit}' /proc/cpuinfo)), $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+dirty'); load average at the end $(cut -d' ' -f1-3 /proc/loadavg)."
+  echo
+  echo "Load: \`tokenscope bench --rates $RATE --duration $DURATION --arrival constant --seed 1 --mix 80:64-256,20:2048-4096 --stream --output-tokens $TOKENS\`; mock \`--slots 256 --time-scale $MOCK_TIME_SCALE\`; gateway: SQLite store, metrics, OTLP/HTTP tracing at ratio 0.01 to a local sink. Latencies are client-side, ms."
+  echo
+  echo "| run | target | ok / failed / dropped | achieved req/s | TTFT P50 | TTFT P99 | e2e P50 | e2e P99 | gateway CPU (cores) | mock CPU (cores) |"
+  echo "|---|---|---|---|---|---|---|---|---|---|"
+  for name in warmup-direct warmup-gateway $(for i in $(seq "$PAIRS"); do echo "direct$i gateway$i"; done); do
+    case $name in *direct*) tgt="mock";; *) tgt="gateway → mock";; esac
+    wall="$(envv "$name" wall)"
+    echo "| $name | $tgt | $(jf "$name" .ok) / $(jf "$name" .failed) / $(jf "$name" .dropped) | $(f2 "$(jf "$name" .achieved_qps)") | $(f3 "$(jf "$name" .ttft_ms.p50)") | $(f3 "$(jf "$name" .ttft_ms.p99)") | $(f3 "$(jf "$name" .e2e_ms.p50)") | $(f3 "$(jf "$name" .e2e_ms.p99)") | $(f2 "$(calc "$(envv "$name" gw_ticks) / $CLK_TCK / $wall")") | $(f2 "$(calc "$(envv "$name" mock_ticks) / $CLK_TCK / $wall")") |"
+  done
+  echo
+  echo "| pair | added TTFT P50 | added TTFT P99 | added e2e P50 | added e2e P99 | gateway CPU per request | per SSE event ($EVENTS_PER_REQ per request) | \`tokenscope_gateway_overhead\` mean |"
+  echo "|---|---|---|---|---|---|---|---|"
+  OK50=1; OK99=1
+  for i in $(seq "$PAIRS"); do
+    d="direct$i"; g="gateway$i"
+    a50="$(calc "$(jf "$g" .ttft_ms.p50) - $(jf "$d" .ttft_ms.p50)")"
+    a99="$(calc "$(jf "$g" .ttft_ms.p99) - $(jf "$d" .ttft_ms.p99)")"
+    e50="$(calc "$(jf "$g" .e2e_ms.p50) - $(jf "$d" .e2e_ms.p50)")"
+    e99="$(calc "$(jf "$g" .e2e_ms.p99) - $(jf "$d" .e2e_ms.p99)")"
+    okg="$(jf "$g" .ok)"
+    cpu_req_us="$(calc "$(envv "$g" gw_ticks) / $CLK_TCK / $okg * 1e6")"
+    cpu_ev_us="$(calc "$cpu_req_us / $EVENTS_PER_REQ")"
+    ovh_us="$(calc "$(envv "$g" ovh_s) / ($(envv "$g" ovh_n) + 1e-9) * 1e6")"
+    awk -v x="$a50" -v t="$T_TTFT_P50_MS" 'BEGIN{exit !(x > t)}' && OK50=0
+    awk -v x="$a99" -v t="$T_TTFT_P99_MS" 'BEGIN{exit !(x > t)}' && OK99=0
+    echo "| $i | $(f3 "$a50") ms | $(f3 "$a99") ms | $(f3 "$e50") ms | $(f3 "$e99") ms | $(awk -v x="$cpu_req_us" 'BEGIN{printf "%.0f", x}') µs | $(f2 "$cpu_ev_us") µs | $(awk -v x="$ovh_us" 'BEGIN{printf "%.1f", x}') µs |"
+  done
+  echo
+  OKRSS=0; [ $((PEAK_RSS_KB * 1024)) -le "$T_RSS_BYTES" ] && OKRSS=1
+  echo "| target (issue 7) | measured | verdict |"
+  echo "|---|---|---|"
+  echo "| added TTFT P50 ≤ $T_TTFT_P50_MS ms at $RATE streaming req/s, $TOKENS-token outputs | see pairs above (every pair must meet it) | $(yes_no "$OK50") |"
+  echo "| added TTFT P99 ≤ $T_TTFT_P99_MS ms | see pairs above | $(yes_no "$OK99") |"
+  echo "| gateway RSS ≤ 64 MB at $STREAMS concurrent streams | peak $(MIB "$PEAK_RSS_KB") MiB ($(calc "int($PEAK_RSS_KB * 1024 / 1e6 + 0.5)") MB) with $PEAK_RSS_INFLIGHT in flight; $(MIB "$RSS_AT_MAX_KB") MiB at the highest in-flight count sampled, $MAX_INFLIGHT ($(MIB $((RSS_AT_MAX_KB - RSS_AFTER_KB))) MiB above the RSS before the run) | $(yes_no "$OKRSS") |"
+  echo
+  echo "Gateway RSS: $(MIB "$RSS_IDLE_KB") MiB idle after start, $(MIB "$RSS_AFTER_KB") MiB after the $RATE req/s runs, peak $(MIB "$PEAK_RSS_KB") MiB during the $STREAMS-stream run (VmHWM over the whole process life $(MIB "$HWM_KB") MiB). Streams run: $(jf streams .ok) ok / $(jf streams .failed) failed / $(jf streams .dropped) dropped. Store: $REC_WRITTEN records written, $REC_DROPPED dropped, $REC_LOST lost. Traces: $SPANS_EXPORTED spans exported ($SPANS_DROPPED dropped), $SPANS_RECEIVED received by the sink."
+} >"$WORK/table.md"
+
+mkdir -p "$(dirname "$OUT")"
+cp "$WORK/table.md" "$OUT"
+cat "$OUT"
+log "written to $OUT"

@@ -335,12 +335,8 @@ pub fn fmt_value(v: f64) -> String {
 
 /// Nearest-rank P99 (as the store's reports define percentiles).
 fn p99(mut v: Vec<f64>) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
     v.sort_by(f64::total_cmp);
-    let rank = ((0.99 * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v.get(rank - 1).copied()
+    crate::nearest_rank(&v, 0.99)
 }
 
 impl AlertEvaluator {

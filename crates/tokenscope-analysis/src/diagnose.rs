@@ -182,13 +182,7 @@ pub struct DiagnoseReport {
 /// Exact nearest-rank percentile of `sorted` (ascending): `x_k`, `k = ⌈q·n⌉` (1 ≤ k ≤ n),
 /// `q` taken in millionths so exact ranks have no floating-point off-by-one.
 pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let n = sorted.len();
-    let q_ppm = (q.clamp(0.0, 1.0) * 1e6).round() as u128;
-    let k = ((q_ppm * n as u128).div_ceil(1_000_000) as usize).clamp(1, n);
-    sorted.get(k - 1).copied()
+    crate::nearest_rank(sorted, q)
 }
 
 /// The finite values of `it`, sorted ascending.

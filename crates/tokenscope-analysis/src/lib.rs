@@ -123,6 +123,19 @@ pub trait Report: Serialize {
     }
 }
 
+/// Exact nearest-rank percentile of `sorted` (ascending): `x_k`, `k = ⌈q·n⌉` (1 ≤ k ≤ n), the
+/// definition of the reports; `q` is taken in millionths so exact ranks have no
+/// floating-point off-by-one. Every analysis uses this one.
+pub fn nearest_rank<T: Copy>(sorted: &[T], q: f64) -> Option<T> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let n = sorted.len();
+    let q_ppm = (q.clamp(0.0, 1.0) * 1e6).round() as u128;
+    let k = ((q_ppm * n as u128).div_ceil(1_000_000) as usize).clamp(1, n);
+    sorted.get(k - 1).copied()
+}
+
 /// Total tokens of a record (input + output; unknown counts as 0).
 pub fn total_tokens(r: &RequestRecord) -> u64 {
     r.input_tokens.unwrap_or(0) + r.output_tokens.unwrap_or(0)

@@ -175,13 +175,9 @@ pub struct WasteReport {
     pub saving: Saving,
 }
 
-/// Nearest-rank percentile of sorted `v` (`q` in (0, 1]).
+/// Nearest-rank percentile of sorted `v` (`q` in (0, 1]): [`crate::nearest_rank`].
 pub fn nearest_rank(sorted: &[u64], q: f64) -> Option<u64> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    Some(sorted[rank - 1])
+    crate::nearest_rank(sorted, q)
 }
 
 /// Rounds up to a multiple of 16 (0 stays 0... but at least 16).

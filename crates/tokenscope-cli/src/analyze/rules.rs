@@ -1,6 +1,7 @@
 //! `tokenscope export …`: configuration for other systems (Prometheus alerting and recording
-//! rules). Thresholds come from `[alerts.thresholds]` of the gateway config given with
-//! `--config` (else the defaults), so the exported rules and the gateway's own alerting agree.
+//! rules, Grafana dashboards). Thresholds come from `[alerts.thresholds]` of the gateway config
+//! given with `--config` (else the defaults), so the exported rules, the dashboards (which read
+//! the recorded series) and the gateway's own alerting agree.
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
@@ -24,6 +25,9 @@ pub struct ExportArgs {
 pub enum ExportWhat {
     /// Prometheus alerting and recording rules (YAML on stdout).
     PrometheusRules,
+    /// Grafana dashboards: overview.json, performance.json, cost.json in `--out`, or one JSON
+    /// array of the three on stdout without it (see docs/grafana.md).
+    Grafana(super::grafana::GrafanaArgs),
 }
 
 /// Runs the command.
@@ -38,6 +42,11 @@ pub fn run(args: ExportArgs) -> Result<()> {
                 .and_then(|()| out.flush())
                 .context("writing the rules to stdout")?;
             Ok(())
+        }
+        ExportWhat::Grafana(g) => {
+            let cfg = tokenscope_gateway::GatewayConfig::load(args.config.as_deref())
+                .context("loading the gateway config")?;
+            super::grafana::run(&g, &cfg.alerts.thresholds)
         }
     }
 }

@@ -1,0 +1,976 @@
+//! The numbers of the built-in dashboard: pure functions from a window's records to the JSON
+//! of each page (no I/O, no clock: the caller passes the window).
+//!
+//! Invariants:
+//! * A record belongs to the window `[since, until)` by its `created_at` (request start, Unix
+//!   µs), and to the time bucket `⌊(created_at − since) / step⌋`; the buckets tile the window.
+//! * Percentiles are exact nearest-rank over the records that have the value
+//!   ([`tokenscope_analysis::nearest_rank`], the definition of `tokenscope report`); means and
+//!   rates are plain sums over the same records. A bucket or summary without a value is `null`,
+//!   never 0.
+//! * Rates are per second of the window (or bucket), not of the span the records happen to
+//!   cover: 60 requests in a 1 h window is 0.0167 req/s.
+//! * Filters (model, request type, business line) are exact matches; the options offered for
+//!   each are the distinct values of the unfiltered window.
+
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use tokenscope_core::{InputBucket, Outcome, RequestRecord};
+
+/// A dashboard time range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Range {
+    /// Last 5 minutes.
+    #[serde(rename = "5m")]
+    M5,
+    /// Last hour.
+    #[serde(rename = "1h")]
+    H1,
+    /// Last day.
+    #[serde(rename = "24h")]
+    H24,
+    /// Last week.
+    #[serde(rename = "7d")]
+    D7,
+}
+
+impl Range {
+    /// Parses `5m`, `1h`, `24h`, `7d`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "5m" => Some(Range::M5),
+            "1h" => Some(Range::H1),
+            "24h" => Some(Range::H24),
+            "7d" => Some(Range::D7),
+            _ => None,
+        }
+    }
+
+    /// Length in seconds.
+    pub fn seconds(self) -> i64 {
+        match self {
+            Range::M5 => 300,
+            Range::H1 => 3_600,
+            Range::H24 => 86_400,
+            Range::D7 => 604_800,
+        }
+    }
+
+    /// Time-series step in seconds (30 to 96 points per chart).
+    pub fn step_seconds(self) -> i64 {
+        match self {
+            Range::M5 => 10,
+            Range::H1 => 60,
+            Range::H24 => 900,
+            Range::D7 => 7_200,
+        }
+    }
+}
+
+/// Exact-match filters; `None` = all.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Filters {
+    /// Requested model.
+    pub model: Option<String>,
+    /// Request type (`chat`, `completion`, … or the caller's `x-request-type`).
+    pub request_type: Option<String>,
+    /// Business line.
+    pub business_line: Option<String>,
+}
+
+impl Filters {
+    /// Whether `r` passes every filter.
+    pub fn matches(&self, r: &RequestRecord) -> bool {
+        self.model.as_deref().is_none_or(|m| r.model == m)
+            && self
+                .request_type
+                .as_deref()
+                .is_none_or(|t| r.request_type == t)
+            && self
+                .business_line
+                .as_deref()
+                .is_none_or(|b| r.business_line.as_deref() == Some(b))
+    }
+}
+
+/// The window of one page: `[since_us, until_us)` and its bucket step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    /// Start, Unix µs (inclusive).
+    pub since_us: i64,
+    /// End, Unix µs (exclusive).
+    pub until_us: i64,
+    /// Bucket width, µs.
+    pub step_us: i64,
+}
+
+impl Window {
+    /// The window of `range` ending at `until_us`. The end is aligned up to a whole step so
+    /// that successive refreshes keep the same bucket boundaries.
+    pub fn ending_at(range: Range, until_us: i64) -> Self {
+        let step_us = range.step_seconds() * 1_000_000;
+        let until_us = until_us.div_euclid(step_us) * step_us
+            + if until_us.rem_euclid(step_us) == 0 {
+                0
+            } else {
+                step_us
+            };
+        Window {
+            since_us: until_us - range.seconds() * 1_000_000,
+            until_us,
+            step_us,
+        }
+    }
+
+    fn contains(&self, created_at: i64) -> bool {
+        created_at >= self.since_us && created_at < self.until_us
+    }
+
+    fn buckets(&self) -> usize {
+        ((self.until_us - self.since_us) / self.step_us).max(1) as usize
+    }
+
+    fn bucket(&self, created_at: i64) -> usize {
+        ((created_at - self.since_us) / self.step_us) as usize
+    }
+
+    fn seconds(&self) -> f64 {
+        (self.until_us - self.since_us) as f64 / 1e6
+    }
+
+    /// Bucket start times, Unix seconds.
+    fn times(&self) -> Vec<f64> {
+        (0..self.buckets())
+            .map(|i| (self.since_us + i as i64 * self.step_us) as f64 / 1e6)
+            .collect()
+    }
+}
+
+/// P50/P95/P99 of one value.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Quantiles {
+    /// Median.
+    pub p50: Option<f64>,
+    /// 95th percentile.
+    pub p95: Option<f64>,
+    /// 99th percentile.
+    pub p99: Option<f64>,
+}
+
+impl Quantiles {
+    fn of(mut values: Vec<f64>) -> Self {
+        values.sort_by(f64::total_cmp);
+        let q = |p| tokenscope_analysis::nearest_rank(&values, p);
+        Quantiles {
+            p50: q(0.50),
+            p95: q(0.95),
+            p99: q(0.99),
+        }
+    }
+}
+
+/// Distinct values of the unfiltered window, for the filter menus.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Options {
+    /// Models seen.
+    pub models: Vec<String>,
+    /// Request types seen.
+    pub request_types: Vec<String>,
+    /// Business lines seen.
+    pub business_lines: Vec<String>,
+}
+
+fn options(records: &[&RequestRecord]) -> Options {
+    let mut m = BTreeSet::new();
+    let mut t = BTreeSet::new();
+    let mut b = BTreeSet::new();
+    for r in records {
+        m.insert(r.model.clone());
+        t.insert(r.request_type.clone());
+        if let Some(x) = &r.business_line {
+            b.insert(x.clone());
+        }
+    }
+    Options {
+        models: m.into_iter().collect(),
+        request_types: t.into_iter().collect(),
+        business_lines: b.into_iter().collect(),
+    }
+}
+
+/// What every page's JSON starts with.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Frame {
+    /// Page name.
+    pub page: &'static str,
+    /// Range asked for.
+    pub range: Range,
+    /// Window start, Unix seconds.
+    pub since: f64,
+    /// Window end, Unix seconds.
+    pub until: f64,
+    /// Bucket width of the series, seconds.
+    pub step_seconds: f64,
+    /// Filters applied.
+    pub filters: Filters,
+    /// Values offered by the filter menus.
+    pub options: Options,
+}
+
+/// One request in a "slowest requests" table.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SlowRequest {
+    /// Gateway request id.
+    pub request_id: String,
+    /// Start, Unix seconds.
+    pub created_at: f64,
+    /// Requested model.
+    pub model: String,
+    /// Outcome.
+    pub outcome: &'static str,
+    /// Input tokens.
+    pub input_tokens: Option<u64>,
+    /// Output tokens.
+    pub output_tokens: Option<u64>,
+    /// End to end, ms.
+    pub total_ms: f64,
+    /// TTFT, ms.
+    pub ttft_ms: Option<f64>,
+    /// Queue, ms.
+    pub queue_ms: Option<f64>,
+    /// Prefill, ms.
+    pub prefill_ms: Option<f64>,
+    /// Decode, ms.
+    pub decode_ms: Option<f64>,
+    /// W3C trace id.
+    pub trace_id: String,
+    /// Whether the tail sampler kept (exported) this request's trace; `None` = not known
+    /// (tracing off, or the decision is older than the gateway's memory of it).
+    pub trace_kept: Option<bool>,
+    /// Link to the trace in the configured trace UI, when kept and `[dashboard] trace_url`
+    /// is set.
+    pub trace_url: Option<String>,
+}
+
+/// How a slow request's trace is linked: `kept(trace_id)` and the URL template.
+pub struct TraceLinks<'a> {
+    /// Whether a trace id's trace was kept (`None` = unknown).
+    pub kept: &'a dyn Fn(&str) -> Option<bool>,
+    /// `[dashboard] trace_url` with `{trace_id}`.
+    pub url_template: Option<&'a str>,
+}
+
+fn slowest(records: &[&RequestRecord], n: usize, links: &TraceLinks<'_>) -> Vec<SlowRequest> {
+    let mut sorted: Vec<&RequestRecord> = records.to_vec();
+    sorted.sort_by(|a, b| {
+        b.total_duration_ms
+            .total_cmp(&a.total_duration_ms)
+            .then_with(|| a.request_id.cmp(&b.request_id))
+    });
+    sorted
+        .into_iter()
+        .take(n)
+        .map(|r| {
+            let kept = (links.kept)(&r.trace_id);
+            SlowRequest {
+                request_id: r.request_id.clone(),
+                created_at: r.created_at as f64 / 1e6,
+                model: r.model.clone(),
+                outcome: r.outcome.as_str(),
+                input_tokens: r.input_tokens,
+                output_tokens: r.output_tokens,
+                total_ms: r.total_duration_ms,
+                ttft_ms: r.ttft_ms,
+                queue_ms: r.queue_duration_ms,
+                prefill_ms: r.prefill_duration_ms,
+                decode_ms: r.decode_duration_ms,
+                trace_id: r.trace_id.clone(),
+                trace_kept: kept,
+                trace_url: match (kept, links.url_template) {
+                    (Some(true), Some(t)) => Some(t.replace("{trace_id}", &r.trace_id)),
+                    _ => None,
+                },
+            }
+        })
+        .collect()
+}
+
+/// Selects the window's records passing the filters, and the options of the unfiltered window.
+fn select<'a>(
+    records: &'a [RequestRecord],
+    w: &Window,
+    f: &Filters,
+) -> (Vec<&'a RequestRecord>, Options) {
+    let in_window: Vec<&RequestRecord> = records
+        .iter()
+        .filter(|r| w.contains(r.created_at))
+        .collect();
+    let opts = options(&in_window);
+    (
+        in_window.into_iter().filter(|r| f.matches(r)).collect(),
+        opts,
+    )
+}
+
+fn frame(page: &'static str, range: Range, w: &Window, f: &Filters, options: Options) -> Frame {
+    Frame {
+        page,
+        range,
+        since: w.since_us as f64 / 1e6,
+        until: w.until_us as f64 / 1e6,
+        step_seconds: w.step_us as f64 / 1e6,
+        filters: f.clone(),
+        options,
+    }
+}
+
+fn sum_u64(records: &[&RequestRecord], f: impl Fn(&RequestRecord) -> Option<u64>) -> u64 {
+    records.iter().filter_map(|r| f(r)).sum()
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let (s, n) = values.fold((0.0, 0u64), |(s, n), v| (s + v, n + 1));
+    (n > 0).then(|| s / n as f64)
+}
+
+/// Per-bucket groups of the selected records.
+fn by_bucket<'a>(records: &[&'a RequestRecord], w: &Window) -> Vec<Vec<&'a RequestRecord>> {
+    let mut out = vec![Vec::new(); w.buckets()];
+    for r in records {
+        if let Some(slot) = out.get_mut(w.bucket(r.created_at)) {
+            slot.push(*r);
+        }
+    }
+    out
+}
+
+fn success_rate(records: &[&RequestRecord]) -> Option<f64> {
+    (!records.is_empty()).then(|| {
+        records.iter().filter(|r| r.outcome == Outcome::Ok).count() as f64 / records.len() as f64
+    })
+}
+
+/// Headline numbers of a set of records over `seconds`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Summary {
+    /// Requests.
+    pub requests: u64,
+    /// Share of requests with outcome `ok` (`null` without requests).
+    pub success_rate: Option<f64>,
+    /// Requests per second of the window.
+    pub qps: f64,
+    /// Input tokens per second of the window.
+    pub input_tokens_per_s: f64,
+    /// Output tokens per second of the window.
+    pub output_tokens_per_s: f64,
+    /// Time to first token, ms.
+    pub ttft_ms: Quantiles,
+    /// Time per output token, ms.
+    pub tpot_ms: Quantiles,
+    /// End to end, ms.
+    pub e2e_ms: Quantiles,
+}
+
+fn summary(records: &[&RequestRecord], seconds: f64) -> Summary {
+    let n = records.len() as u64;
+    Summary {
+        requests: n,
+        success_rate: success_rate(records),
+        qps: n as f64 / seconds,
+        input_tokens_per_s: sum_u64(records, |r| r.input_tokens) as f64 / seconds,
+        output_tokens_per_s: sum_u64(records, |r| r.output_tokens) as f64 / seconds,
+        ttft_ms: Quantiles::of(records.iter().filter_map(|r| r.ttft_ms).collect()),
+        tpot_ms: Quantiles::of(records.iter().filter_map(|r| r.tpot_ms).collect()),
+        e2e_ms: Quantiles::of(records.iter().map(|r| r.total_duration_ms).collect()),
+    }
+}
+
+/// Quantiles over a fixed trailing window (5 min and 1 h side by side), whatever the range.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrailingWindow {
+    /// `5m` or `1h`.
+    pub window: &'static str,
+    /// The numbers over that window (rates per second of it).
+    #[serde(flatten)]
+    pub summary: Summary,
+}
+
+/// Overview time series (one value per bucket; `null` = no value in the bucket).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OverviewSeries {
+    /// Bucket start, Unix seconds.
+    pub t: Vec<f64>,
+    /// Requests per second.
+    pub qps: Vec<f64>,
+    /// Share ok.
+    pub success_rate: Vec<Option<f64>>,
+    /// TTFT P50, ms.
+    pub ttft_p50: Vec<Option<f64>>,
+    /// TTFT P95, ms.
+    pub ttft_p95: Vec<Option<f64>>,
+    /// TTFT P99, ms.
+    pub ttft_p99: Vec<Option<f64>>,
+    /// TPOT P50, ms.
+    pub tpot_p50: Vec<Option<f64>>,
+    /// TPOT P95, ms.
+    pub tpot_p95: Vec<Option<f64>>,
+    /// TPOT P99, ms.
+    pub tpot_p99: Vec<Option<f64>>,
+    /// Input tokens per second.
+    pub input_tokens_per_s: Vec<f64>,
+    /// Output tokens per second.
+    pub output_tokens_per_s: Vec<f64>,
+}
+
+/// `GET /api/dashboard/overview`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Overview {
+    /// Window, filters, options.
+    #[serde(flatten)]
+    pub frame: Frame,
+    /// Numbers over the range.
+    pub summary: Summary,
+    /// The last 5 minutes and the last hour, ending at the range's end.
+    pub trailing: Vec<TrailingWindow>,
+    /// Per bucket.
+    pub series: OverviewSeries,
+    /// The slowest requests of the range (end to end).
+    pub slowest: Vec<SlowRequest>,
+}
+
+/// Builds the overview page. `records` must cover at least the range and the trailing hour
+/// before `w.until_us`.
+pub fn overview(
+    records: &[RequestRecord],
+    range: Range,
+    w: &Window,
+    f: &Filters,
+    links: &TraceLinks<'_>,
+) -> Overview {
+    let (sel, opts) = select(records, w, f);
+    let step_s = w.step_us as f64 / 1e6;
+    let buckets = by_bucket(&sel, w);
+    let q = |b: &Vec<&RequestRecord>, v: fn(&RequestRecord) -> Option<f64>| {
+        Quantiles::of(b.iter().filter_map(|r| v(r)).collect())
+    };
+    let ttft: Vec<Quantiles> = buckets.iter().map(|b| q(b, |r| r.ttft_ms)).collect();
+    let tpot: Vec<Quantiles> = buckets.iter().map(|b| q(b, |r| r.tpot_ms)).collect();
+    let series = OverviewSeries {
+        t: w.times(),
+        qps: buckets.iter().map(|b| b.len() as f64 / step_s).collect(),
+        success_rate: buckets.iter().map(|b| success_rate(b)).collect(),
+        ttft_p50: ttft.iter().map(|x| x.p50).collect(),
+        ttft_p95: ttft.iter().map(|x| x.p95).collect(),
+        ttft_p99: ttft.iter().map(|x| x.p99).collect(),
+        tpot_p50: tpot.iter().map(|x| x.p50).collect(),
+        tpot_p95: tpot.iter().map(|x| x.p95).collect(),
+        tpot_p99: tpot.iter().map(|x| x.p99).collect(),
+        input_tokens_per_s: buckets
+            .iter()
+            .map(|b| sum_u64(b, |r| r.input_tokens) as f64 / step_s)
+            .collect(),
+        output_tokens_per_s: buckets
+            .iter()
+            .map(|b| sum_u64(b, |r| r.output_tokens) as f64 / step_s)
+            .collect(),
+    };
+    let trailing = [("5m", 300i64), ("1h", 3_600)]
+        .into_iter()
+        .map(|(name, secs)| {
+            let tw = Window {
+                since_us: w.until_us - secs * 1_000_000,
+                until_us: w.until_us,
+                step_us: w.step_us,
+            };
+            let (sel, _) = select(records, &tw, f);
+            TrailingWindow {
+                window: name,
+                summary: summary(&sel, secs as f64),
+            }
+        })
+        .collect();
+    Overview {
+        summary: summary(&sel, w.seconds()),
+        trailing,
+        series,
+        slowest: slowest(&sel, 10, links),
+        frame: frame("overview", range, w, f, opts),
+    }
+}
+
+/// Mean phase split of a set of records, ms (over the records that have each phase).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct PhaseSplit {
+    /// Mean queue time.
+    pub queue_ms: Option<f64>,
+    /// Mean prefill time.
+    pub prefill_ms: Option<f64>,
+    /// Mean decode time.
+    pub decode_ms: Option<f64>,
+    /// Mean end to end.
+    pub e2e_ms: Option<f64>,
+}
+
+fn split(records: &[&RequestRecord]) -> PhaseSplit {
+    PhaseSplit {
+        queue_ms: mean(records.iter().filter_map(|r| r.queue_duration_ms)),
+        prefill_ms: mean(records.iter().filter_map(|r| r.prefill_duration_ms)),
+        decode_ms: mean(records.iter().filter_map(|r| r.decode_duration_ms)),
+        e2e_ms: mean(records.iter().map(|r| r.total_duration_ms)),
+    }
+}
+
+/// Engine state seen by the requests at their arrival (means).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct EngineMeans {
+    /// Requests running in the engine.
+    pub running: Option<f64>,
+    /// Requests waiting in the engine.
+    pub waiting: Option<f64>,
+    /// KV-cache usage, 0–1.
+    pub kv_usage: Option<f64>,
+}
+
+fn engine(records: &[&RequestRecord]) -> EngineMeans {
+    EngineMeans {
+        running: mean(records.iter().filter_map(|r| r.engine_running)),
+        waiting: mean(records.iter().filter_map(|r| r.engine_waiting)),
+        kv_usage: mean(records.iter().filter_map(|r| r.engine_kv_usage)),
+    }
+}
+
+/// Latency of one input-length bucket.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BucketLatency {
+    /// `0-128`, `128-512`, `512-2048`, `2048+`.
+    pub input_bucket: &'static str,
+    /// Requests.
+    pub requests: u64,
+    /// TTFT, ms.
+    pub ttft_ms: Quantiles,
+    /// End to end, ms.
+    pub e2e_ms: Quantiles,
+    /// Mean phase split.
+    pub split: PhaseSplit,
+}
+
+/// Performance time series.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PerformanceSeries {
+    /// Bucket start, Unix seconds.
+    pub t: Vec<f64>,
+    /// Mean queue, ms.
+    pub queue_ms: Vec<Option<f64>>,
+    /// Mean prefill, ms.
+    pub prefill_ms: Vec<Option<f64>>,
+    /// Mean decode, ms.
+    pub decode_ms: Vec<Option<f64>>,
+    /// Engine running requests (mean at arrival).
+    pub engine_running: Vec<Option<f64>>,
+    /// Engine waiting requests (mean at arrival).
+    pub engine_waiting: Vec<Option<f64>>,
+    /// Engine KV usage (mean at arrival), 0–1.
+    pub engine_kv_usage: Vec<Option<f64>>,
+}
+
+/// `GET /api/dashboard/performance`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Performance {
+    /// Window, filters, options.
+    #[serde(flatten)]
+    pub frame: Frame,
+    /// Requests in the range.
+    pub requests: u64,
+    /// Mean phase split over the range.
+    pub split: PhaseSplit,
+    /// Engine state means over the range.
+    pub engine: EngineMeans,
+    /// Latency by input-length bucket (every bucket, shortest first).
+    pub by_input_bucket: Vec<BucketLatency>,
+    /// Per time bucket.
+    pub series: PerformanceSeries,
+    /// The slowest requests with their split.
+    pub slowest: Vec<SlowRequest>,
+}
+
+/// Builds the performance page.
+pub fn performance(
+    records: &[RequestRecord],
+    range: Range,
+    w: &Window,
+    f: &Filters,
+    links: &TraceLinks<'_>,
+) -> Performance {
+    let (sel, opts) = select(records, w, f);
+    let buckets = by_bucket(&sel, w);
+    let splits: Vec<PhaseSplit> = buckets.iter().map(|b| split(b)).collect();
+    let engines: Vec<EngineMeans> = buckets.iter().map(|b| engine(b)).collect();
+    let by_input_bucket = InputBucket::ALL
+        .into_iter()
+        .map(|ib| {
+            let rs: Vec<&RequestRecord> = sel
+                .iter()
+                .copied()
+                .filter(|r| r.input_bucket == Some(ib))
+                .collect();
+            BucketLatency {
+                input_bucket: ib.as_str(),
+                requests: rs.len() as u64,
+                ttft_ms: Quantiles::of(rs.iter().filter_map(|r| r.ttft_ms).collect()),
+                e2e_ms: Quantiles::of(rs.iter().map(|r| r.total_duration_ms).collect()),
+                split: split(&rs),
+            }
+        })
+        .collect();
+    Performance {
+        requests: sel.len() as u64,
+        split: split(&sel),
+        engine: engine(&sel),
+        by_input_bucket,
+        series: PerformanceSeries {
+            t: w.times(),
+            queue_ms: splits.iter().map(|s| s.queue_ms).collect(),
+            prefill_ms: splits.iter().map(|s| s.prefill_ms).collect(),
+            decode_ms: splits.iter().map(|s| s.decode_ms).collect(),
+            engine_running: engines.iter().map(|e| e.running).collect(),
+            engine_waiting: engines.iter().map(|e| e.waiting).collect(),
+            engine_kv_usage: engines.iter().map(|e| e.kv_usage).collect(),
+        },
+        slowest: slowest(&sel, 10, links),
+        frame: frame("performance", range, w, f, opts),
+    }
+}
+
+/// Tokens and cost of one group.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CostRow {
+    /// Business line or user (`(none)` when the record has none).
+    pub key: String,
+    /// Requests.
+    pub requests: u64,
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// USD (priced requests only).
+    pub cost_usd: f64,
+    /// Share of the range's cost, 0–1 (`null` when the range cost nothing).
+    pub share: Option<f64>,
+}
+
+/// One budget's gauge.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BudgetRow {
+    /// Business line.
+    pub business_line: String,
+    /// `llm_budget_usage_ratio` now (largest used/budget of the line's budgets).
+    pub usage_ratio: f64,
+}
+
+/// Cost time series.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CostSeries {
+    /// Bucket start, Unix seconds.
+    pub t: Vec<f64>,
+    /// USD per bucket.
+    pub cost_usd: Vec<f64>,
+    /// Input tokens per bucket.
+    pub input_tokens: Vec<u64>,
+    /// Output tokens per bucket.
+    pub output_tokens: Vec<u64>,
+}
+
+/// Totals of the cost page.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CostTotals {
+    /// Requests.
+    pub requests: u64,
+    /// Input tokens.
+    pub input_tokens: u64,
+    /// Output tokens.
+    pub output_tokens: u64,
+    /// USD of the priced requests.
+    pub cost_usd: f64,
+    /// Requests without a price (their model has none).
+    pub unpriced_requests: u64,
+}
+
+/// `GET /api/dashboard/cost`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Cost {
+    /// Window, filters, options.
+    #[serde(flatten)]
+    pub frame: Frame,
+    /// Totals over the range.
+    pub totals: CostTotals,
+    /// By business line, most expensive first (then most tokens).
+    pub by_business_line: Vec<CostRow>,
+    /// The 20 most expensive users.
+    pub by_user: Vec<CostRow>,
+    /// Per time bucket.
+    pub series: CostSeries,
+    /// Budget gauges (every configured business line).
+    pub budgets: Vec<BudgetRow>,
+}
+
+fn cost_rows(
+    records: &[&RequestRecord],
+    key: impl Fn(&RequestRecord) -> Option<&str>,
+    total: f64,
+    limit: usize,
+) -> Vec<CostRow> {
+    let mut groups: BTreeMap<String, CostRow> = BTreeMap::new();
+    for r in records {
+        let k = key(r).unwrap_or("(none)").to_owned();
+        let row = groups.entry(k.clone()).or_insert_with(|| CostRow {
+            key: k,
+            requests: 0,
+            input_tokens: 0,
+            output_tokens: 0,
+            cost_usd: 0.0,
+            share: None,
+        });
+        row.requests += 1;
+        row.input_tokens += r.input_tokens.unwrap_or(0);
+        row.output_tokens += r.output_tokens.unwrap_or(0);
+        row.cost_usd += r.cost_usd.unwrap_or(0.0);
+    }
+    let mut rows: Vec<CostRow> = groups
+        .into_values()
+        .map(|mut row| {
+            row.share = (total > 0.0).then(|| row.cost_usd / total);
+            row
+        })
+        .collect();
+    rows.sort_by(|a, b| {
+        b.cost_usd
+            .total_cmp(&a.cost_usd)
+            .then_with(|| {
+                (b.input_tokens + b.output_tokens).cmp(&(a.input_tokens + a.output_tokens))
+            })
+            .then_with(|| a.key.cmp(&b.key))
+    });
+    rows.truncate(limit);
+    rows
+}
+
+/// Builds the cost page; `budgets` are the current gauge values.
+pub fn cost(
+    records: &[RequestRecord],
+    range: Range,
+    w: &Window,
+    f: &Filters,
+    budgets: Vec<BudgetRow>,
+) -> Cost {
+    let (sel, opts) = select(records, w, f);
+    let total: f64 = sel.iter().filter_map(|r| r.cost_usd).sum();
+    let buckets = by_bucket(&sel, w);
+    Cost {
+        totals: CostTotals {
+            requests: sel.len() as u64,
+            input_tokens: sum_u64(&sel, |r| r.input_tokens),
+            output_tokens: sum_u64(&sel, |r| r.output_tokens),
+            cost_usd: total,
+            unpriced_requests: sel.iter().filter(|r| r.cost_usd.is_none()).count() as u64,
+        },
+        by_business_line: cost_rows(&sel, |r| r.business_line.as_deref(), total, usize::MAX),
+        by_user: cost_rows(&sel, |r| r.user_id.as_deref(), total, 20),
+        series: CostSeries {
+            t: w.times(),
+            cost_usd: buckets
+                .iter()
+                .map(|b| b.iter().filter_map(|r| r.cost_usd).sum())
+                .collect(),
+            input_tokens: buckets
+                .iter()
+                .map(|b| sum_u64(b, |r| r.input_tokens))
+                .collect(),
+            output_tokens: buckets
+                .iter()
+                .map(|b| sum_u64(b, |r| r.output_tokens))
+                .collect(),
+        },
+        budgets,
+        frame: frame("cost", range, w, f, opts),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str, at_s: f64, model: &str, total_ms: f64) -> RequestRecord {
+        RequestRecord {
+            request_id: id.into(),
+            trace_id: format!("{id:0>32}"),
+            created_at: (at_s * 1e6) as i64,
+            model: model.into(),
+            request_type: "chat".into(),
+            total_duration_ms: total_ms,
+            ttft_ms: Some(total_ms / 2.0),
+            tpot_ms: Some(total_ms / 100.0),
+            input_tokens: Some(100),
+            output_tokens: Some(10),
+            input_bucket: Some(InputBucket::B0To128),
+            ..RequestRecord::default()
+        }
+    }
+
+    fn no_links() -> TraceLinks<'static> {
+        TraceLinks {
+            kept: &|_| None,
+            url_template: None,
+        }
+    }
+
+    #[test]
+    fn window_is_aligned_to_the_step_and_tiles_the_range() {
+        let w = Window::ending_at(Range::H1, 1_000_000_030_000_000);
+        assert_eq!(w.until_us % 60_000_000, 0);
+        assert!(w.until_us >= 1_000_000_030_000_000);
+        assert_eq!(w.until_us - w.since_us, 3_600_000_000);
+        assert_eq!(w.buckets(), 60);
+        let exact = Window::ending_at(Range::M5, 600_000_000);
+        assert_eq!(exact.until_us, 600_000_000);
+    }
+
+    #[test]
+    fn overview_numbers_are_exact() {
+        // 10 requests in the last 5 minutes of a 1 h window: totals 1..=10 × 100 ms.
+        let until = 3_600.0;
+        let w = Window::ending_at(Range::H1, (until * 1e6) as i64);
+        let mut records: Vec<RequestRecord> = (1..=10)
+            .map(|i| {
+                rec(
+                    &i.to_string(),
+                    until - 10.0 * i as f64,
+                    "m",
+                    100.0 * i as f64,
+                )
+            })
+            .collect();
+        records[0].outcome = Outcome::UpstreamError;
+        records.push(rec("old", until - 7_200.0, "m", 1.0)); // outside the window
+        let o = overview(&records, Range::H1, &w, &Filters::default(), &no_links());
+        assert_eq!(o.summary.requests, 10);
+        assert_eq!(o.summary.success_rate, Some(0.9));
+        assert!((o.summary.qps - 10.0 / 3_600.0).abs() < 1e-12);
+        assert!((o.summary.input_tokens_per_s - 1_000.0 / 3_600.0).abs() < 1e-12);
+        assert_eq!(o.summary.e2e_ms.p50, Some(500.0));
+        assert_eq!(o.summary.e2e_ms.p99, Some(1_000.0));
+        assert_eq!(o.summary.ttft_ms.p95, Some(500.0));
+        assert_eq!(o.trailing[0].window, "5m");
+        assert_eq!(o.trailing[0].summary.requests, 10);
+        assert!((o.trailing[0].summary.qps - 10.0 / 300.0).abs() < 1e-12);
+        assert_eq!(o.series.t.len(), 60);
+        assert!((o.series.qps.iter().sum::<f64>() * 60.0 - 10.0).abs() < 1e-9);
+        // Buckets without requests have no percentile, not 0.
+        assert_eq!(o.series.ttft_p50[0], None);
+        assert_eq!(o.slowest[0].request_id, "10");
+        assert_eq!(o.slowest.len(), 10);
+    }
+
+    #[test]
+    fn filters_narrow_and_options_list_the_unfiltered_window() {
+        let w = Window::ending_at(Range::M5, 300_000_000);
+        let mut a = rec("a", 10.0, "m1", 10.0);
+        a.business_line = Some("search".into());
+        let mut b = rec("b", 20.0, "m2", 20.0);
+        b.request_type = "completion".into();
+        let records = vec![a, b];
+        let f = Filters {
+            model: Some("m2".into()),
+            ..Filters::default()
+        };
+        let o = overview(&records, Range::M5, &w, &f, &no_links());
+        assert_eq!(o.summary.requests, 1);
+        assert_eq!(o.frame.options.models, vec!["m1", "m2"]);
+        assert_eq!(o.frame.options.request_types, vec!["chat", "completion"]);
+        assert_eq!(o.frame.options.business_lines, vec!["search"]);
+        let f = Filters {
+            business_line: Some("search".into()),
+            ..Filters::default()
+        };
+        assert_eq!(
+            overview(&records, Range::M5, &w, &f, &no_links())
+                .summary
+                .requests,
+            1
+        );
+    }
+
+    #[test]
+    fn performance_split_by_bucket_and_engine_state() {
+        let w = Window::ending_at(Range::M5, 300_000_000);
+        let mut a = rec("a", 5.0, "m", 100.0);
+        a.queue_duration_ms = Some(10.0);
+        a.prefill_duration_ms = Some(20.0);
+        a.decode_duration_ms = Some(70.0);
+        a.engine_running = Some(4.0);
+        a.engine_kv_usage = Some(0.5);
+        let mut b = rec("b", 7.0, "m", 300.0);
+        b.input_bucket = Some(InputBucket::B2048Plus);
+        b.queue_duration_ms = Some(30.0);
+        b.engine_running = Some(8.0);
+        let p = performance(&[a, b], Range::M5, &w, &Filters::default(), &no_links());
+        assert_eq!(p.split.queue_ms, Some(20.0));
+        assert_eq!(p.split.prefill_ms, Some(20.0));
+        assert_eq!(p.engine.running, Some(6.0));
+        assert_eq!(p.engine.kv_usage, Some(0.5));
+        assert_eq!(p.engine.waiting, None);
+        assert_eq!(p.by_input_bucket.len(), 4);
+        assert_eq!(p.by_input_bucket[0].requests, 1);
+        assert_eq!(p.by_input_bucket[3].e2e_ms.p50, Some(300.0));
+        assert_eq!(p.series.queue_ms[0], Some(20.0));
+        assert_eq!(p.series.queue_ms[1], None);
+    }
+
+    #[test]
+    fn cost_groups_shares_and_unpriced() {
+        let w = Window::ending_at(Range::M5, 300_000_000);
+        let mut a = rec("a", 5.0, "m", 1.0);
+        a.business_line = Some("search".into());
+        a.user_id = Some("u1".into());
+        a.cost_usd = Some(3.0);
+        let mut b = rec("b", 6.0, "m", 1.0);
+        b.business_line = Some("ads".into());
+        b.user_id = Some("u2".into());
+        b.cost_usd = Some(1.0);
+        let c = rec("c", 7.0, "m", 1.0);
+        let budgets = vec![BudgetRow {
+            business_line: "search".into(),
+            usage_ratio: 0.5,
+        }];
+        let c = cost(&[a, b, c], Range::M5, &w, &Filters::default(), budgets);
+        assert_eq!(c.totals.cost_usd, 4.0);
+        assert_eq!(c.totals.unpriced_requests, 1);
+        assert_eq!(c.totals.input_tokens, 300);
+        assert_eq!(c.by_business_line[0].key, "search");
+        assert_eq!(c.by_business_line[0].share, Some(0.75));
+        assert_eq!(c.by_business_line[2].key, "(none)");
+        assert_eq!(c.by_user[1].key, "u2");
+        assert_eq!(c.series.cost_usd[0], 4.0);
+        assert_eq!(c.budgets[0].usage_ratio, 0.5);
+    }
+
+    #[test]
+    fn trace_links_only_for_kept_traces() {
+        let w = Window::ending_at(Range::M5, 300_000_000);
+        let a = rec("a", 5.0, "m", 10.0);
+        let b = rec("b", 6.0, "m", 20.0);
+        let kept_id = a.trace_id.clone();
+        let kept = move |t: &str| Some(t == kept_id);
+        let links = TraceLinks {
+            kept: &kept,
+            url_template: Some("http://jaeger/trace/{trace_id}"),
+        };
+        let o = overview(&[a, b], Range::M5, &w, &Filters::default(), &links);
+        assert_eq!(o.slowest[0].request_id, "b");
+        assert_eq!(o.slowest[0].trace_kept, Some(false));
+        assert_eq!(o.slowest[0].trace_url, None);
+        assert_eq!(
+            o.slowest[1].trace_url,
+            Some(format!("http://jaeger/trace/{:0>32}", "a"))
+        );
+    }
+}

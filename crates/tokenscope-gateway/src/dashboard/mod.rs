@@ -1,0 +1,420 @@
+//! The built-in dashboard on the admin listener: three pages (overview, performance, cost)
+//! at `/`, drawn in the browser with the vendored uPlot (no CDN, works offline), over a JSON
+//! API computed from the store.
+//!
+//! * `GET /` — the single-page app; `GET /assets/…` — its script, styles and uPlot.
+//! * `GET /api/dashboard/{overview|performance|cost}?range=5m|1h|24h|7d[&until=UNIX_S]
+//!   [&model=…][&request_type=…][&business_line=…]` — the numbers of one page
+//!   ([`aggregate`] documents each field and the definitions).
+//!
+//! Invariants:
+//! * The request path never waits on the dashboard: a page reads the store on a blocking
+//!   thread (a read-only SQLite connection, or ClickHouse over HTTP) plus the in-memory ring of
+//!   recent records (records not yet written are shown too, each request once). At most
+//!   [`MAX_CONCURRENT_QUERIES`] page queries run at once; more wait for a permit.
+//! * With `[dashboard] token` set, every `/api/dashboard/*` and `/api/requests*` call needs
+//!   `Authorization: Bearer <token>` (compared in constant time, never logged); the static page
+//!   holds no data and stays open. `/metrics` and `/healthz` are never behind the token.
+//! * A slow request links to its trace only when the tail sampler kept it: the gateway
+//!   remembers the last [`KEPT_TRACES`] kept trace ids.
+
+pub mod aggregate;
+
+use crate::Shared;
+use aggregate::{BudgetRow, Filters, Range, TraceLinks, Window};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use parking_lot::Mutex;
+use serde::Deserialize;
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+use tokenscope_core::RequestRecord;
+
+/// Page queries running at once (each may read a day or a week of rows).
+pub const MAX_CONCURRENT_QUERIES: usize = 2;
+/// Kept trace ids remembered for the trace links.
+pub const KEPT_TRACES: usize = 65_536;
+
+const INDEX_HTML: &str = include_str!("../../assets/dashboard/index.html");
+const APP_JS: &str = include_str!("../../assets/dashboard/dashboard.js");
+const APP_CSS: &str = include_str!("../../assets/dashboard/dashboard.css");
+const UPLOT_JS: &str = include_str!("../../assets/vendor/uplot/uPlot.iife.min.js");
+const UPLOT_CSS: &str = include_str!("../../assets/vendor/uplot/uPlot.min.css");
+
+/// The trace ids the tail sampler kept recently, with the oldest start time remembered (a
+/// record older than that has an unknown decision).
+#[derive(Default)]
+pub(crate) struct KeptTraces {
+    inner: Mutex<KeptInner>,
+}
+
+#[derive(Default)]
+struct KeptInner {
+    order: VecDeque<(i64, u128)>,
+    ids: HashSet<u128>,
+    /// `created_at` of the first decision seen; decisions before it are unknown.
+    since_us: Option<i64>,
+}
+
+impl KeptTraces {
+    /// Notes the decision for a finished record (called once per record while tracing is on).
+    pub(crate) fn decided(&self, created_at: i64, trace_id: &str, kept: bool) {
+        let Ok(id) = u128::from_str_radix(trace_id, 16) else {
+            return;
+        };
+        let mut g = self.inner.lock();
+        if g.since_us.is_none() {
+            g.since_us = Some(created_at);
+        }
+        if !kept {
+            return;
+        }
+        if g.order.len() >= KEPT_TRACES {
+            if let Some((at, old)) = g.order.pop_front() {
+                g.ids.remove(&old);
+                // Decisions up to the evicted entry's start are forgotten.
+                g.since_us = Some(at.saturating_add(1));
+            }
+        }
+        g.ids.insert(id);
+        g.order.push_back((created_at, id));
+    }
+
+    /// `Some(true)` kept, `Some(false)` decided and not kept, `None` unknown.
+    fn kept(&self, created_at: i64, trace_id: &str) -> Option<bool> {
+        let id = u128::from_str_radix(trace_id, 16).ok()?;
+        let g = self.inner.lock();
+        if g.ids.contains(&id) {
+            return Some(true);
+        }
+        match g.since_us {
+            Some(since) if created_at >= since => Some(false),
+            _ => None,
+        }
+    }
+}
+
+/// `[dashboard]`: the built-in dashboard.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DashboardSection {
+    /// Serve the dashboard and its API at `/` of the admin listener.
+    pub enabled: bool,
+    /// Bearer token required by the dashboard API and `/api/requests*` (none = open; the
+    /// admin listener is on localhost by default).
+    pub token: Option<String>,
+    /// Link template for a kept trace, e.g. `http://jaeger:16686/trace/{trace_id}`.
+    pub trace_url: Option<String>,
+    /// Auto-refresh period of the pages, seconds (0 = off).
+    pub refresh_seconds: u64,
+}
+
+impl Default for DashboardSection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            token: None,
+            trace_url: None,
+            refresh_seconds: 10,
+        }
+    }
+}
+
+#[derive(Clone)]
+struct DashState {
+    shared: Arc<Shared>,
+    permits: Arc<tokio::sync::Semaphore>,
+}
+
+/// The dashboard's routes (already with their state).
+pub(crate) fn router(shared: Arc<Shared>) -> Router {
+    if !shared.cfg.dashboard.enabled {
+        return Router::new();
+    }
+    Router::new()
+        .route(
+            "/",
+            get(|| async { asset("text/html; charset=utf-8", INDEX_HTML) }),
+        )
+        .route(
+            "/assets/dashboard.js",
+            get(|| async { asset("text/javascript; charset=utf-8", APP_JS) }),
+        )
+        .route(
+            "/assets/dashboard.css",
+            get(|| async { asset("text/css; charset=utf-8", APP_CSS) }),
+        )
+        .route(
+            "/assets/uPlot.iife.min.js",
+            get(|| async { asset("text/javascript; charset=utf-8", UPLOT_JS) }),
+        )
+        .route(
+            "/assets/uPlot.min.css",
+            get(|| async { asset("text/css; charset=utf-8", UPLOT_CSS) }),
+        )
+        .route("/api/dashboard/config", get(config))
+        .route("/api/dashboard/{page}", get(page))
+        .with_state(DashState {
+            shared,
+            permits: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_QUERIES)),
+        })
+}
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// Whether the request may read dashboard data (`[dashboard] token`).
+pub(crate) fn authorized(shared: &Shared, headers: &HeaderMap) -> bool {
+    let Some(token) = shared.cfg.dashboard.token.as_deref() else {
+        return true;
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    constant_time_eq(given.as_bytes(), token.as_bytes())
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub(crate) fn unauthorized() -> Response {
+    (
+        StatusCode::UNAUTHORIZED,
+        [(header::WWW_AUTHENTICATE, "Bearer")],
+        "a bearer token is required ([dashboard] token)",
+    )
+        .into_response()
+}
+
+/// What the page needs before its first query.
+async fn config(State(s): State<DashState>, headers: HeaderMap) -> Response {
+    if !authorized(&s.shared, &headers) {
+        return unauthorized();
+    }
+    let d = &s.shared.cfg.dashboard;
+    Json(serde_json::json!({
+        "refresh_seconds": d.refresh_seconds,
+        "trace_url": d.trace_url,
+        "tracing": s.shared.tracing.is_some(),
+        "ranges": ["5m", "1h", "24h", "7d"],
+        "pages": ["overview", "performance", "cost"],
+    }))
+    .into_response()
+}
+
+#[derive(Deserialize)]
+struct PageQuery {
+    range: Option<String>,
+    until: Option<f64>,
+    model: Option<String>,
+    request_type: Option<String>,
+    business_line: Option<String>,
+}
+
+fn nonempty(s: Option<String>) -> Option<String> {
+    s.filter(|v| !v.is_empty())
+}
+
+async fn page(
+    State(s): State<DashState>,
+    Path(page): Path<String>,
+    headers: HeaderMap,
+    Query(q): Query<PageQuery>,
+) -> Response {
+    if !authorized(&s.shared, &headers) {
+        return unauthorized();
+    }
+    if !matches!(page.as_str(), "overview" | "performance" | "cost") {
+        return (StatusCode::NOT_FOUND, "pages: overview, performance, cost").into_response();
+    }
+    let range_s = q.range.as_deref().unwrap_or("1h");
+    let Some(range) = Range::parse(range_s) else {
+        return (
+            StatusCode::BAD_REQUEST,
+            format!("range {range_s:?}: use 5m, 1h, 24h or 7d"),
+        )
+            .into_response();
+    };
+    let until_us = match q.until {
+        Some(u) if u.is_finite() && u > 0.0 => (u * 1e6) as i64,
+        Some(u) => {
+            return (StatusCode::BAD_REQUEST, format!("until {u}: Unix seconds")).into_response()
+        }
+        None => now_us(),
+    };
+    let filters = Filters {
+        model: nonempty(q.model),
+        request_type: nonempty(q.request_type),
+        business_line: nonempty(q.business_line),
+    };
+    let window = Window::ending_at(range, until_us);
+    // The overview's trailing 1 h needs that much even for the 5 min range.
+    let since_us = window.since_us.min(window.until_us - 3_600_000_000);
+    let Ok(_permit) = s.permits.clone().acquire_owned().await else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
+    };
+    let shared = s.shared.clone();
+    let until = window.until_us;
+    let loaded =
+        tokio::task::spawn_blocking(move || load(&shared, since_us, until).map(|r| (shared, r)))
+            .await;
+    let (shared, records) = match loaded {
+        Ok(Ok(x)) => x,
+        Ok(Err(e)) => {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("reading the store failed: {e}"),
+            )
+                .into_response()
+        }
+        Err(_) => return (StatusCode::INTERNAL_SERVER_ERROR, "query failed").into_response(),
+    };
+    let kept_fn = |_: &str| None;
+    let tracing_on = shared.tracing.is_some();
+    let kept = &shared.kept_traces;
+    let created: std::collections::HashMap<&str, i64> = records
+        .iter()
+        .map(|r| (r.trace_id.as_str(), r.created_at))
+        .collect();
+    let kept_lookup = |t: &str| {
+        if !tracing_on {
+            return None;
+        }
+        created.get(t).and_then(|at| kept.kept(*at, t))
+    };
+    let links = TraceLinks {
+        kept: if tracing_on { &kept_lookup } else { &kept_fn },
+        url_template: shared.cfg.dashboard.trace_url.as_deref(),
+    };
+    match page.as_str() {
+        "overview" => Json(aggregate::overview(
+            &records, range, &window, &filters, &links,
+        ))
+        .into_response(),
+        "performance" => Json(aggregate::performance(
+            &records, range, &window, &filters, &links,
+        ))
+        .into_response(),
+        _ => {
+            let mut lines: Vec<String> = shared
+                .cfg
+                .budgets
+                .iter()
+                .map(|b| b.business_line.clone())
+                .collect();
+            lines.sort();
+            lines.dedup();
+            let budgets = lines
+                .into_iter()
+                .map(|l| BudgetRow {
+                    usage_ratio: shared.budgets.ratio(&l),
+                    business_line: l,
+                })
+                .collect();
+            Json(aggregate::cost(&records, range, &window, &filters, budgets)).into_response()
+        }
+    }
+}
+
+fn now_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0)
+}
+
+/// The records created in `[since_us, until_us)`: the store's rows plus the in-memory recent
+/// records the store does not have yet (each request once).
+fn load(shared: &Shared, since_us: i64, until_us: i64) -> Result<Vec<RequestRecord>, String> {
+    let mut records = match crate::StoreTarget::parse(&shared.cfg.store) {
+        crate::StoreTarget::Sqlite(path) => {
+            if path.exists() {
+                tokenscope_store::SqliteStore::open_read_only(&path)
+                    .and_then(|db| db.records_between(since_us, until_us))
+                    .map_err(|e| e.to_string())?
+            } else {
+                Vec::new()
+            }
+        }
+        crate::StoreTarget::ClickHouse(url) => {
+            tokenscope_clickhouse::ClickHouseStore::connect_url(&url)
+                .and_then(|ch| ch.records_between(since_us, until_us))
+                .map_err(|e| e.to_string())?
+        }
+    };
+    let recent: Vec<Arc<RequestRecord>> = shared
+        .recent
+        .lock()
+        .iter()
+        .filter(|r| r.created_at >= since_us && r.created_at < until_us)
+        .cloned()
+        .collect();
+    if !recent.is_empty() {
+        let oldest = recent
+            .iter()
+            .map(|r| r.created_at)
+            .min()
+            .unwrap_or(since_us);
+        let stored: HashSet<&str> = records
+            .iter()
+            .filter(|r| r.created_at >= oldest)
+            .map(|r| r.request_id.as_str())
+            .collect();
+        let missing: Vec<RequestRecord> = recent
+            .iter()
+            .filter(|r| !stored.contains(r.request_id.as_str()))
+            .map(|r| (**r).clone())
+            .collect();
+        records.extend(missing);
+    }
+    Ok(records)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_traces_know_what_they_forgot() {
+        let k = KeptTraces::default();
+        assert_eq!(k.kept(5, "0a"), None);
+        k.decided(10, "0a", true);
+        k.decided(11, "0b", false);
+        assert_eq!(k.kept(10, "0a"), Some(true));
+        assert_eq!(k.kept(11, "0b"), Some(false));
+        assert_eq!(k.kept(9, "0c"), None);
+        assert_eq!(k.kept(12, "not hex"), None);
+        for i in 0..KEPT_TRACES {
+            k.decided(100 + i as i64, &format!("{:032x}", 1000 + i), true);
+        }
+        // "0a" was evicted: records from before the oldest remembered one are unknown again.
+        assert_eq!(k.kept(10, "0a"), None);
+        let last = format!("{:032x}", 1000 + KEPT_TRACES - 1);
+        assert_eq!(k.kept(100 + KEPT_TRACES as i64 - 1, &last), Some(true));
+    }
+
+    #[test]
+    fn constant_time_eq_compares_whole_tokens() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
+        assert!(constant_time_eq(b"", b""));
+    }
+}

@@ -563,13 +563,45 @@ fn performance() -> Value {
     g.row("Where the time goes");
     g.add(
         12,
+        8,
+        prom(
+            Viz::TimeSeries,
+            "Queue / prefill / decode P95",
+            "llm_request_phase_seconds: per-request phase times (the engine's own timing when it \
+             reports one, else the gateway's estimate), P95 per phase",
+            "s",
+            &[(
+                format!(
+                    "histogram_quantile(0.95, sum by (le, phase) (rate(llm_request_phase_seconds_bucket{{{M}}}[$__rate_interval])))"
+                ),
+                "{{phase}} P95",
+            )],
+        ),
+    );
+    g.add(
+        12,
+        8,
+        prom(
+            Viz::TimeSeries,
+            "Queue / prefill / decode (mean)",
+            "Mean time per phase: rate of the histogram's sum over the rate of its count",
+            "s",
+            &[(
+                format!(
+                    "sum by (phase) (rate(llm_request_phase_seconds_sum{{{M}}}[$__rate_interval])) / sum by (phase) (rate(llm_request_phase_seconds_count{{{M}}}[$__rate_interval]))"
+                ),
+                "{{phase}}",
+            )],
+        ),
+    );
+    g.add(
+        12,
         9,
         sql(
             Viz::TimeSeries,
             "Queue / prefill / decode (mean, ClickHouse)",
-            "Mean phase durations of the stored records (the gateway exports no per-phase \
-             histogram); source of each phase per record in queue_source / prefill_source / \
-             decode_source",
+            "Mean phase durations of the stored records (exact, per record); source of each \
+             phase per record in queue_source / prefill_source / decode_source",
             "s",
             true,
             &format!(
@@ -783,6 +815,53 @@ fn cost(t: &AlertThresholds, w: &str) -> Value {
             )],
         ),
     );
+    g.add(
+        12,
+        8,
+        prom(
+            Viz::TimeSeries,
+            "Tokens by business line",
+            "llm_business_line_tokens_total: input / output tokens per business line",
+            "short",
+            &[(
+                "sum by (business_line, token_type) (rate(llm_business_line_tokens_total{business_line=~\"$business_line\",token_type!=\"cached\"}[$__rate_interval]))"
+                    .to_owned(),
+                "{{business_line}} {{token_type}}",
+            )],
+        ),
+    );
+    g.add(
+        12,
+        8,
+        prom(
+            Viz::TimeSeries,
+            "Cost by business line (USD per hour)",
+            "llm_cost_usd_total: cost of priced requests at the configured [[prices]], as USD/h",
+            "currencyUSD",
+            &[(
+                format!(
+                    "3600 * sum by (business_line) (rate(llm_cost_usd_total{{{M},business_line=~\"$business_line\"}}[$__rate_interval]))"
+                ),
+                "{{business_line}}",
+            )],
+        ),
+    );
+    g.add(
+        24,
+        7,
+        prom(
+            Viz::BarGauge,
+            "Cost in the time range by business line",
+            "increase of llm_cost_usd_total over the dashboard's time range",
+            "currencyUSD",
+            &[(
+                format!(
+                    "sum by (business_line) (increase(llm_cost_usd_total{{{M},business_line=~\"$business_line\"}}[$__range]))"
+                ),
+                "{{business_line}}",
+            )],
+        ),
+    );
     g.row("Budgets");
     g.add(
         24,
@@ -872,7 +951,7 @@ fn cost(t: &AlertThresholds, w: &str) -> Value {
             label_var(
                 "business_line",
                 "Business line",
-                "label_values(llm_budget_usage_ratio, business_line)",
+                "label_values(llm_business_line_tokens_total, business_line)",
             ),
         ],
         g,

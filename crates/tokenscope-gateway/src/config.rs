@@ -65,6 +65,9 @@ pub struct MetricsSection {
     pub user_buckets: u32,
     /// K for `top_k`.
     pub user_top_k: usize,
+    /// Distinct business lines (`llm_business_line_tokens_total`, `llm_cost_usd_total`)
+    /// before `other`.
+    pub max_business_lines: usize,
 }
 
 impl Default for MetricsSection {
@@ -75,6 +78,7 @@ impl Default for MetricsSection {
             user_label: UserLabel::Hash,
             user_buckets: 16,
             user_top_k: 10,
+            max_business_lines: 50,
         }
     }
 }

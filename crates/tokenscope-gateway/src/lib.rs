@@ -239,7 +239,10 @@ impl Shared {
 
     /// Late engine data (OTLP spans) for a record: joined in the recent-records ring and sent
     /// to the store, which applies it to the row (now or when the row arrives).
+    /// A phase the record did not have when it was final is observed in
+    /// `llm_request_phase_seconds` now (a phase is observed once per request).
     fn apply_engine_update(&self, update: PhaseUpdate) {
+        let mut late: Vec<(String, &'static str, f64)> = Vec::new();
         {
             let mut recent = self.recent.lock();
             if let Some(slot) = recent
@@ -247,10 +250,26 @@ impl Shared {
                 .rev()
                 .find(|r| r.trace_id == update.trace_id)
             {
+                for (phase, had, new) in [
+                    ("queue", slot.queue_duration_ms, update.queue_duration_ms),
+                    (
+                        "prefill",
+                        slot.prefill_duration_ms,
+                        update.prefill_duration_ms,
+                    ),
+                    ("decode", slot.decode_duration_ms, update.decode_duration_ms),
+                ] {
+                    if let (None, Some(ms)) = (had, new) {
+                        late.push((slot.model.clone(), phase, ms));
+                    }
+                }
                 let mut rec = (**slot).clone();
                 rec.apply_update(&update);
                 *slot = Arc::new(rec);
             }
+        }
+        for (model, phase, ms) in late {
+            self.metrics.observe_phase(&model, phase, ms);
         }
         self.recorder.update(update);
     }
@@ -539,6 +558,7 @@ impl Gateway {
         let mut metrics = Metrics::new(MetricsConfig {
             max_models: cfg.metrics.max_models,
             max_request_types: cfg.metrics.max_request_types,
+            max_business_lines: cfg.metrics.max_business_lines,
             user_label: match cfg.metrics.user_label {
                 config::UserLabel::Hash => UserLabelMode::Hash {
                     buckets: cfg.metrics.user_buckets,

@@ -12,7 +12,11 @@
 //! * Names follow R2/R4 of the requirements: `llm_request_latency_seconds{model,request_type,status}`,
 //!   `llm_ttft_seconds{model,input_bucket}`, `llm_tpot_seconds{model}`,
 //!   `llm_tokens_total{model,token_type,user_bucket}`, `llm_requests_total{model,request_type,status}`,
-//!   `llm_requests_in_flight{model}`, and the gateway's own `tokenscope_*` health metrics.
+//!   `llm_requests_in_flight{model}`, the engine layer `llm_request_phase_seconds{model,phase}`
+//!   (queue / prefill / decode), the business layer
+//!   `llm_business_line_tokens_total{business_line,token_type}` and
+//!   `llm_cost_usd_total{model,business_line}` (business lines bounded like models), and the
+//!   gateway's own `tokenscope_*` health metrics.
 #![deny(missing_docs)]
 
 mod labels;
@@ -38,6 +42,13 @@ pub const TTFT_BUCKETS: [f64; 9] = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 pub const TPOT_BUCKETS: [f64; 12] = [
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0,
 ];
+/// Phase (queue, prefill, decode) buckets (seconds): the latency buckets of R2 with the
+/// millisecond range that queue and prefill times of a healthy engine live in.
+pub const PHASE_BUCKETS: [f64; 14] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+/// The `phase` label values of `llm_request_phase_seconds`.
+pub const PHASES: [&str; 3] = ["queue", "prefill", "decode"];
 /// Store write latency buckets (seconds).
 pub const STORE_WRITE_BUCKETS: [f64; 10] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5,
@@ -79,6 +90,33 @@ pub struct TokenLabels {
     pub token_type: &'static str,
     /// Hashed or top-K user label.
     pub user_bucket: String,
+}
+
+/// `{model, phase}` of `llm_request_phase_seconds`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    /// Bounded model label.
+    pub model: String,
+    /// `queue`, `prefill` or `decode`.
+    pub phase: &'static str,
+}
+
+/// `{business_line, token_type}` of `llm_business_line_tokens_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LineTokenLabels {
+    /// Bounded business line (`none` when the request has none).
+    pub business_line: String,
+    /// `input`, `output` or `cached`.
+    pub token_type: &'static str,
+}
+
+/// `{model, business_line}` of `llm_cost_usd_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CostLabels {
+    /// Bounded model label.
+    pub model: String,
+    /// Bounded business line (`none` when the request has none).
+    pub business_line: String,
 }
 
 /// `{reason}` for dropped or lost records.
@@ -133,6 +171,8 @@ pub struct MetricsConfig {
     pub max_request_types: usize,
     /// How users become a label.
     pub user_label: UserLabelMode,
+    /// Distinct business lines before new ones become `other`.
+    pub max_business_lines: usize,
 }
 
 impl Default for MetricsConfig {
@@ -141,6 +181,7 @@ impl Default for MetricsConfig {
             max_models: 50,
             max_request_types: 20,
             user_label: UserLabelMode::Hash { buckets: 16 },
+            max_business_lines: 50,
         }
     }
 }
@@ -154,6 +195,10 @@ pub struct Metrics {
     models: ModelLabeler,
     request_types: ModelLabeler,
     users: UserLabeler,
+    business_lines: ModelLabeler,
+    phases: Family<PhaseLabels, Histogram, fn() -> Histogram>,
+    line_tokens: Family<LineTokenLabels, Counter>,
+    cost_usd: Family<CostLabels, Counter<f64, AtomicU64>>,
     request_latency: ExemplarFamily<RequestLabels>,
     ttft: ExemplarFamily<TtftLabels>,
     tpot: ExemplarFamily<ModelLabels>,
@@ -215,6 +260,26 @@ impl Metrics {
         let tokens = Family::<TokenLabels, Counter>::default();
         let requests = Family::<RequestLabels, Counter>::default();
         let in_flight = Family::<ModelLabels, Gauge>::default();
+        let phases: Family<PhaseLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(|| Histogram::new(PHASE_BUCKETS));
+        let line_tokens = Family::<LineTokenLabels, Counter>::default();
+        let cost_usd = Family::<CostLabels, Counter<f64, AtomicU64>>::default();
+        registry.register_with_unit(
+            "llm_request_phase",
+            "Time per request phase (queue, prefill, decode), from the engine's per-request timing when it reports one, else the gateway's estimate",
+            Unit::Seconds,
+            phases.clone(),
+        );
+        registry.register(
+            "llm_business_line_tokens",
+            "Tokens by business line and type (input includes cached)",
+            line_tokens.clone(),
+        );
+        registry.register(
+            "llm_cost_usd",
+            "Cost in USD of priced requests (`[[prices]]`) by model and business line",
+            cost_usd.clone(),
+        );
         registry.register_with_unit(
             "llm_request_latency",
             "End-to-end request latency as seen by the gateway",
@@ -416,6 +481,10 @@ impl Metrics {
             models: ModelLabeler::new(cfg.max_models),
             request_types: ModelLabeler::new(cfg.max_request_types),
             users: UserLabeler::new(cfg.user_label),
+            business_lines: ModelLabeler::new(cfg.max_business_lines),
+            phases,
+            line_tokens,
+            cost_usd,
             request_latency,
             ttft,
             tpot,
@@ -594,10 +663,63 @@ impl Metrics {
                     .inc_by(n);
             }
         }
+        for (phase, v) in [
+            ("queue", rec.queue_duration_ms),
+            ("prefill", rec.prefill_duration_ms),
+            ("decode", rec.decode_duration_ms),
+        ] {
+            if let Some(ms) = v {
+                self.observe_phase_labelled(&model, phase, ms);
+            }
+        }
+        let line = self
+            .business_lines
+            .label(rec.business_line.as_deref().unwrap_or("none"));
+        for (token_type, n) in [
+            ("input", rec.input_tokens),
+            ("output", rec.output_tokens),
+            ("cached", rec.cached_tokens),
+        ] {
+            if let Some(n) = n.filter(|n| *n > 0) {
+                self.line_tokens
+                    .get_or_create(&LineTokenLabels {
+                        business_line: line.clone(),
+                        token_type,
+                    })
+                    .inc_by(n);
+            }
+        }
+        if let Some(usd) = rec.cost_usd.filter(|c| c.is_finite() && *c >= 0.0) {
+            self.cost_usd
+                .get_or_create(&CostLabels {
+                    model: model.clone(),
+                    business_line: line,
+                })
+                .inc_by(usd);
+        }
         if let Some(o) = rec.gateway_overhead_ms {
             self.gateway_overhead.observe(o / 1000.0);
         }
         user_bucket
+    }
+
+    /// Observes one phase of a request whose value arrived after its record was final (an
+    /// engine span joined later); `phase` is `queue`, `prefill` or `decode`. The caller makes
+    /// sure a request's phase is observed once.
+    pub fn observe_phase(&self, model: &str, phase: &'static str, ms: f64) {
+        let model = self.models.label(model);
+        self.observe_phase_labelled(&model, phase, ms);
+    }
+
+    fn observe_phase_labelled(&self, model: &str, phase: &'static str, ms: f64) {
+        if ms.is_finite() && ms >= 0.0 {
+            self.phases
+                .get_or_create(&PhaseLabels {
+                    model: model.to_owned(),
+                    phase,
+                })
+                .observe(ms / 1000.0);
+        }
     }
 
     /// The entry tokenizer count of a request disagreed with the engine's usage.
@@ -851,6 +973,38 @@ mod tests {
         assert!(text.contains("llm_tpot_seconds_count{model=\"m1\"} 2"));
         assert!(text.contains("token_type=\"output\""));
         assert!(!text.contains("alice"), "user ids must not be labels");
+    }
+
+    #[test]
+    fn phases_business_lines_and_cost() {
+        let m = Metrics::new(MetricsConfig {
+            max_business_lines: 1,
+            ..MetricsConfig::default()
+        });
+        let mut a = rec("m1", Outcome::Ok);
+        a.queue_duration_ms = Some(4.0);
+        a.prefill_duration_ms = Some(20.0);
+        a.business_line = Some("search".into());
+        a.cost_usd = Some(0.25);
+        m.observe(&a, None);
+        let mut b = rec("m1", Outcome::Ok);
+        b.business_line = Some("ads".into()); // beyond max_business_lines → other
+        b.cost_usd = Some(0.5);
+        m.observe(&b, None);
+        m.observe_phase("m1", "decode", 90.0);
+        let text = m.encode_prometheus_text();
+        for want in [
+            "llm_request_phase_seconds_count{model=\"m1\",phase=\"queue\"} 1",
+            "llm_request_phase_seconds_bucket{le=\"0.005\",model=\"m1\",phase=\"queue\"} 1",
+            "llm_request_phase_seconds_sum{model=\"m1\",phase=\"prefill\"} 0.02",
+            "llm_request_phase_seconds_count{model=\"m1\",phase=\"decode\"} 1",
+            "llm_business_line_tokens_total{business_line=\"search\",token_type=\"input\"} 10",
+            "llm_business_line_tokens_total{business_line=\"other\",token_type=\"output\"} 20",
+            "llm_cost_usd_total{model=\"m1\",business_line=\"search\"} 0.25",
+            "llm_cost_usd_total{model=\"m1\",business_line=\"other\"} 0.5",
+        ] {
+            assert!(text.contains(want), "{want} missing in\n{text}");
+        }
     }
 
     #[test]

@@ -148,6 +148,11 @@ struct MockArgs {
     /// Decode cost per KV token held by the sequences decoding in a step, ms [default: 0].
     #[arg(long)]
     decode_ms_per_kv_token: Option<f64>,
+    /// Export one vLLM-style `llm_request` span (gen_ai.latency.* from the tokenscope SDK) per
+    /// request that arrives with a traceparent, to this OTLP/HTTP endpoint (e.g. a gateway's
+    /// admin listener, http://127.0.0.1:9464) [default: off].
+    #[arg(long)]
+    otlp_endpoint: Option<String>,
 }
 
 fn init_logging() {
@@ -348,6 +353,7 @@ async fn mock_engine(args: MockArgs) -> Result<()> {
         decode_ms_per_kv_token: args
             .decode_ms_per_kv_token
             .unwrap_or(d.decode_ms_per_kv_token),
+        otlp_endpoint: args.otlp_endpoint,
         ..d
     };
     tokenscope_mock::serve(listener, cfg, shutdown_signal()).await?;

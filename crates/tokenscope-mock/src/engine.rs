@@ -2,6 +2,13 @@
 //!
 //! See the crate docs for the model. This module knows nothing about HTTP: a handler submits a
 //! [`Job`] and reads [`Event`]s from the returned channel.
+//!
+//! Phase accounting is the tokenscope SDK's (its own dog food): the engine task owns a
+//! [`Tracker`]; a request arrives at its `queued_at`, is scheduled at the start of the step that
+//! admits it, and every step is reported with [`Tracker::step_at`] (each running sequence's
+//! prefill chunk or decode token); the [`Summary`] a handler receives carries the tracker's
+//! [`Phases`], from which `timings` are computed. Times are nanoseconds since the engine's
+//! epoch (the first submission), on tokio's clock, so virtual time keeps them exact in tests.
 
 use crate::metrics::Stats;
 use crate::MockConfig;
@@ -10,6 +17,9 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+use tokenscope_sdk::{
+    Clock, FinishReason, Phases, RequestHandle, RequestInfo, StepEntry, TraceContext, Tracker, Work,
+};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -78,6 +88,33 @@ pub(crate) struct Job {
     pub output_tokens: u64,
 }
 
+/// Who a request is, for the SDK's records and spans.
+#[derive(Debug, Clone)]
+pub(crate) struct Meta {
+    /// The response id (`chatcmpl-mock-N`), the span's `gen_ai.request.id`.
+    pub request_id: Option<String>,
+    /// Model name as requested.
+    pub model: String,
+    /// The `traceparent` the request came with.
+    pub trace: Option<TraceContext>,
+    /// Finish reason when it runs to completion.
+    pub reason: FinishReason,
+    /// Request type label (`chat`, `completion`).
+    pub request_type: &'static str,
+}
+
+impl Default for Meta {
+    fn default() -> Self {
+        Self {
+            request_id: None,
+            model: "mock-llm".to_owned(),
+            trace: None,
+            reason: FinishReason::Stop,
+            request_type: "unknown",
+        }
+    }
+}
+
 /// What the engine tells a request's handler.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Event {
@@ -87,7 +124,8 @@ pub(crate) enum Event {
     Finished(Summary),
 }
 
-/// One request's own timeline, as the engine saw it.
+/// One request's own timeline, as the engine saw it, and its phases as the SDK tracker
+/// computed them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Summary {
     pub prompt_tokens: u64,
@@ -97,39 +135,32 @@ pub(crate) struct Summary {
     pub first_token_at: Option<Instant>,
     pub last_token_at: Option<Instant>,
     pub finished_at: Instant,
+    /// The tracker's phases (ns).
+    pub phases: Phases,
 }
 
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
+fn ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
 }
 
 impl Summary {
-    /// Queued → scheduled.
+    /// Queued → scheduled (the tracker's queue phase).
     #[cfg(test)]
     pub(crate) fn queue_ms(&self) -> f64 {
-        ms(self.scheduled_at.duration_since(self.queued_at))
+        ms(self.phases.queue_ns)
     }
-    /// Scheduled → first token (→ finished when no token was generated).
+    /// Scheduled → first token (→ finished when no token was generated): the tracker's prefill.
     pub(crate) fn prompt_ms(&self) -> f64 {
-        ms(self
-            .first_token_at
-            .unwrap_or(self.finished_at)
-            .duration_since(self.scheduled_at))
+        ms(self.phases.prefill_ns)
     }
-    /// First → last token.
+    /// First → last token: the tracker's decode (the mock finishes at its last token).
     pub(crate) fn predicted_ms(&self) -> f64 {
-        match (self.first_token_at, self.last_token_at) {
-            (Some(f), Some(l)) => ms(l.duration_since(f)),
-            _ => 0.0,
-        }
+        ms(self.phases.decode_ns)
     }
-    /// Queued → first token.
+    /// Queued → first token (→ finished when no token was generated).
     #[cfg(test)]
     pub(crate) fn ttft_ms(&self) -> f64 {
-        ms(self
-            .first_token_at
-            .unwrap_or(self.finished_at)
-            .duration_since(self.queued_at))
+        ms(self.phases.ttft_ns().unwrap_or(self.phases.e2e_ns()))
     }
 }
 
@@ -140,9 +171,13 @@ pub(crate) struct EngineGone;
 
 struct Submission {
     job: Job,
+    meta: Meta,
     queued_at: Instant,
     tx: mpsc::Sender<Event>,
 }
+
+/// Builds the SDK side of the engine when its task starts: the tracker's sink and exporters.
+pub(crate) type TrackerFactory = Box<dyn FnOnce(Clock) -> Tracker + Send>;
 
 /// Handle to the engine task. Cloning shares the same engine. The task starts on the first
 /// submission and ends when every handle is dropped and no request is left.
@@ -153,37 +188,74 @@ pub(crate) struct Engine {
 
 struct Shared {
     tx: mpsc::UnboundedSender<Submission>,
-    /// The receiver, until the task is spawned.
-    unstarted: Mutex<Option<mpsc::UnboundedReceiver<Submission>>>,
+    /// The receiver and the tracker factory, until the task is spawned.
+    unstarted: Mutex<Option<(mpsc::UnboundedReceiver<Submission>, TrackerFactory)>>,
     params: EngineParams,
     stats: Arc<Stats>,
 }
 
 impl Engine {
+    /// An engine whose tracker keeps no exporters.
+    #[cfg(test)]
     pub(crate) fn new(params: EngineParams, stats: Arc<Stats>) -> Self {
+        Self::with_tracker(
+            params,
+            stats,
+            Box::new(|clock| Tracker::new(tokenscope_sdk::TrackerConfig::default(), clock)),
+        )
+    }
+
+    /// An engine whose tracker is built by `tracker` when the task starts.
+    pub(crate) fn with_tracker(
+        params: EngineParams,
+        stats: Arc<Stats>,
+        tracker: TrackerFactory,
+    ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         Self {
             shared: Arc::new(Shared {
                 tx,
-                unstarted: Mutex::new(Some(rx)),
+                unstarted: Mutex::new(Some((rx, tracker))),
                 params,
                 stats,
             }),
         }
     }
 
-    /// Queues `job`; its events arrive on the returned receiver. Dropping the receiver aborts
-    /// the request (its slot is freed at the start of the next step). Must be called inside a
-    /// Tokio runtime (the first call spawns the engine task).
+    /// [`Engine::submit_with`] with a default identity (no id, no trace).
+    #[cfg(test)]
     pub(crate) fn submit(&self, job: Job) -> Result<mpsc::Receiver<Event>, EngineGone> {
-        if let Some(rx) = self.shared.unstarted.lock().take() {
-            tokio::spawn(run(rx, self.shared.params, self.shared.stats.clone()));
+        self.submit_with(job, Meta::default())
+    }
+
+    /// Queues `job` (who it is: `meta`); its events arrive on the returned receiver. Dropping
+    /// the receiver aborts the request (its slot is freed at the start of the next step). Must
+    /// be called inside a Tokio runtime (the first call spawns the engine task and builds its
+    /// tracker).
+    pub(crate) fn submit_with(
+        &self,
+        job: Job,
+        meta: Meta,
+    ) -> Result<mpsc::Receiver<Event>, EngineGone> {
+        if let Some((rx, factory)) = self.shared.unstarted.lock().take() {
+            // The epoch precedes every submission's `queued_at`.
+            let epoch = Instant::now();
+            let clock = Clock::with_origin(epoch.into_std(), std::time::SystemTime::now());
+            let tracker = factory(clock);
+            tokio::spawn(run(
+                rx,
+                self.shared.params,
+                self.shared.stats.clone(),
+                tracker,
+                epoch,
+            ));
         }
         let (tx, rx) = mpsc::channel(EVENT_CHANNEL);
         let stats = &self.shared.stats;
         stats.waiting.fetch_add(1, Ordering::Relaxed);
         let sub = Submission {
             job,
+            meta,
             queued_at: Instant::now(),
             tx,
         };
@@ -205,9 +277,28 @@ enum Plan {
     Decode,
 }
 
+/// What a step did to one sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    /// Still running.
+    Running,
+    /// Generated everything: finish it.
+    Done,
+    /// Its client went away.
+    Aborted,
+}
+
+/// A submission the engine has seen (it has a tracker handle).
+struct Waiting {
+    sub: Submission,
+    h: RequestHandle,
+}
+
 /// A running sequence.
 struct Seq {
     job: Job,
+    reason: FinishReason,
+    h: RequestHandle,
     tx: mpsc::Sender<Event>,
     queued_at: Instant,
     scheduled_at: Instant,
@@ -226,9 +317,12 @@ impl Seq {
         self.prefill_total + self.generated
     }
 
-    fn admit(sub: Submission, now: Instant) -> Self {
+    fn admit(w: Waiting, now: Instant) -> Self {
+        let sub = w.sub;
         Self {
             job: sub.job,
+            reason: sub.meta.reason,
+            h: w.h,
             tx: sub.tx,
             queued_at: sub.queued_at,
             scheduled_at: now,
@@ -241,10 +335,11 @@ impl Seq {
         }
     }
 
-    /// Applies this step's plan at `now`. Returns whether the sequence stays running.
-    fn finish_step(&mut self, now: Instant, stats: &Stats) -> bool {
-        let emits = match std::mem::replace(&mut self.plan, Plan::Idle) {
-            Plan::Idle => return true,
+    /// Applies this step's plan at `now`: the work the tracker is told about (`None` when the
+    /// sequence was idle) and what became of the sequence.
+    fn finish_step(&mut self, now: Instant, stats: &Stats) -> (Option<Work>, Fate) {
+        let (emits, chunk) = match std::mem::replace(&mut self.plan, Plan::Idle) {
+            Plan::Idle => return (None, Fate::Running),
             Plan::Prefill(chunk) => {
                 self.prefilled += chunk;
                 let done = self.prefilled >= self.prefill_total;
@@ -253,14 +348,13 @@ impl Seq {
                         .prompt_tokens
                         .fetch_add(self.job.prompt_tokens, Ordering::Relaxed);
                 }
-                done
+                (done, Some(u32::try_from(chunk).unwrap_or(u32::MAX)))
             }
-            Plan::Decode => true,
+            Plan::Decode => (true, None),
         };
-        if !emits {
-            return true;
-        }
-        if self.generated < self.job.output_tokens {
+        let mut emitted = false;
+        let mut fate = Fate::Running;
+        if emits && self.generated < self.job.output_tokens {
             // Planning checked the capacity and only this task sends, so this cannot be `Full`;
             // an error means the receiver is gone.
             if self
@@ -270,59 +364,96 @@ impl Seq {
                 })
                 .is_err()
             {
-                stats.aborted.fetch_add(1, Ordering::Relaxed);
-                return false;
+                fate = Fate::Aborted;
+            } else {
+                emitted = true;
+                self.generated += 1;
+                stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+                self.first_token_at.get_or_insert(now);
+                self.last_token_at = Some(now);
             }
-            self.generated += 1;
-            stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-            self.first_token_at.get_or_insert(now);
-            self.last_token_at = Some(now);
         }
-        if self.generated < self.job.output_tokens {
-            return true;
+        if fate == Fate::Running && emits && self.generated >= self.job.output_tokens {
+            fate = Fate::Done;
         }
-        let summary = Summary {
+        let work = match chunk {
+            Some(tokens) => Work::Prefill {
+                tokens,
+                sampled: emitted,
+            },
+            None => Work::Decode {
+                tokens: u32::from(emitted),
+            },
+        };
+        (Some(work), fate)
+    }
+
+    fn summary(&self, finished_at: Instant, phases: Phases) -> Summary {
+        Summary {
             prompt_tokens: self.job.prompt_tokens,
             completion_tokens: self.generated,
             queued_at: self.queued_at,
             scheduled_at: self.scheduled_at,
             first_token_at: self.first_token_at,
             last_token_at: self.last_token_at,
-            finished_at: now,
-        };
-        let counter = match self.tx.try_send(Event::Finished(summary)) {
-            Ok(()) => &stats.finished,
-            Err(_) => &stats.aborted,
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-        false
+            finished_at,
+            phases,
+        }
     }
 }
 
 /// The step loop. Ends when every [`Engine`] handle is gone and nothing is waiting or running.
-async fn run(mut rx: mpsc::UnboundedReceiver<Submission>, p: EngineParams, stats: Arc<Stats>) {
-    let mut waiting: VecDeque<Submission> = VecDeque::new();
+async fn run(
+    mut rx: mpsc::UnboundedReceiver<Submission>,
+    p: EngineParams,
+    stats: Arc<Stats>,
+    mut tracker: Tracker,
+    epoch: Instant,
+) {
+    let ns = |t: Instant| {
+        tokenscope_sdk::Nanos::try_from(t.duration_since(epoch).as_nanos()).unwrap_or(u64::MAX)
+    };
+    let mut waiting: VecDeque<Waiting> = VecDeque::new();
     let mut running: Vec<Seq> = Vec::new();
+    let mut entries: Vec<StepEntry> = Vec::new();
+    let mut ended: Vec<(Seq, Fate)> = Vec::new();
     // Where the step loop would be with a perfect timer.
     let mut ideal = Instant::now();
+    let arrive = |tracker: &mut Tracker, sub: Submission| {
+        let model = tracker.model(&sub.meta.model);
+        let mut info = RequestInfo::new(model, sub.job.prompt_tokens)
+            .trace(sub.meta.trace)
+            .request_type(sub.meta.request_type);
+        info.request_id = sub.meta.request_id.clone();
+        let h = tracker.arrive_at(ns(sub.queued_at), info);
+        Waiting { sub, h }
+    };
     loop {
         if waiting.is_empty() && running.is_empty() {
+            // Idle: ship what the tracker holds before waiting.
+            tracker.flush_at(ns(Instant::now()));
             match rx.recv().await {
-                Some(sub) => waiting.push_back(sub),
+                Some(sub) => {
+                    let w = arrive(&mut tracker, sub);
+                    waiting.push_back(w);
+                }
                 None => return,
             }
             ideal = Instant::now();
         }
         while let Ok(sub) = rx.try_recv() {
-            waiting.push_back(sub);
+            let w = arrive(&mut tracker, sub);
+            waiting.push_back(w);
         }
 
         // Drop requests whose client went away.
-        waiting.retain(|s| {
-            let alive = !s.tx.is_closed();
+        let now = ns(Instant::now());
+        waiting.retain(|w| {
+            let alive = !w.sub.tx.is_closed();
             if !alive {
                 stats.waiting.fetch_sub(1, Ordering::Relaxed);
                 stats.aborted.fetch_add(1, Ordering::Relaxed);
+                tracker.abort_at(w.h, now);
             }
             alive
         });
@@ -330,27 +461,30 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Submission>, p: EngineParams, stats
             let alive = !s.tx.is_closed();
             if !alive {
                 stats.aborted.fetch_add(1, Ordering::Relaxed);
+                tracker.abort_at(s.h, now);
             }
             alive
         });
 
         // Admit in FIFO order.
         let step_start = Instant::now();
+        let start_ns = ns(step_start);
         let mut kv_used: u64 = running.iter().map(Seq::kv).sum();
         while running.len() < p.slots {
             let Some(next) = waiting.front() else {
                 break;
             };
-            let need = next.job.prompt_tokens.max(1);
+            let need = next.sub.job.prompt_tokens.max(1);
             if p.kv_tokens > 0 && !running.is_empty() && kv_used + need > p.kv_tokens {
                 break;
             }
-            let Some(sub) = waiting.pop_front() else {
+            let Some(w) = waiting.pop_front() else {
                 break;
             };
             kv_used += need;
             stats.waiting.fetch_sub(1, Ordering::Relaxed);
-            running.push(Seq::admit(sub, step_start));
+            tracker.schedule_at(w.h, start_ns);
+            running.push(Seq::admit(w, step_start));
         }
         stats.running.store(running.len(), Ordering::Relaxed);
         stats.kv_used.store(kv_used, Ordering::Relaxed);
@@ -396,7 +530,40 @@ async fn run(mut rx: mpsc::UnboundedReceiver<Submission>, p: EngineParams, stats
             tokio::task::yield_now().await;
         }
         let now = Instant::now();
-        running.retain_mut(|s| s.finish_step(now, &stats));
+        let end_ns = ns(now);
+
+        // Apply the step; tell the tracker what each sequence did in it.
+        entries.clear();
+        let mut i = 0;
+        while i < running.len() {
+            let (work, fate) = running[i].finish_step(now, &stats);
+            if let Some(work) = work {
+                entries.push(StepEntry::new(running[i].h, work));
+            }
+            if fate == Fate::Running {
+                i += 1;
+            } else {
+                // Keep admission order for the next plan.
+                ended.push((running.remove(i), fate));
+            }
+        }
+        tracker.step_at(start_ns, end_ns, &entries);
+        for (s, fate) in ended.drain(..) {
+            if fate == Fate::Aborted {
+                stats.aborted.fetch_add(1, Ordering::Relaxed);
+                tracker.abort_at(s.h, end_ns);
+                continue;
+            }
+            let Some(phases) = tracker.finish_at(s.h, end_ns, s.reason) else {
+                continue;
+            };
+            let counter = match s.tx.try_send(Event::Finished(s.summary(now, phases))) {
+                Ok(()) => &stats.finished,
+                Err(_) => &stats.aborted,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        tracker.tick_at(end_ns);
         stats.running.store(running.len(), Ordering::Relaxed);
         stats
             .kv_used

@@ -1,6 +1,6 @@
 //! The HTTP face of the mock: OpenAI-compatible routes over the simulated [`Engine`].
 
-use crate::engine::{scaled, Engine, EngineParams, Event, Job, Summary};
+use crate::engine::{scaled, Engine, EngineParams, Event, Job, Meta, Summary};
 use crate::fault::Fault;
 use crate::metrics::Stats;
 use crate::rng::{natural_len, SplitMix64};
@@ -39,6 +39,10 @@ struct AppInner {
     engine: Engine,
     stats: Arc<Stats>,
     shutdown: CancellationToken,
+    /// The SDK's last finished requests (`/debug/sdk/requests`).
+    sdk_ring: crate::sdk::Ring,
+    /// The SDK's engine-side `llm_*` metrics, appended to `/metrics`.
+    sdk_metrics: tokenscope_sdk::prometheus::Registry,
     /// Sequence number of inference requests: ids and the output-length PRNG.
     next_request: AtomicU64,
 }
@@ -46,12 +50,20 @@ struct AppInner {
 /// Builds the router. `shutdown` ends `hang` and `stall_mid_stream` requests when cancelled.
 pub(crate) fn app(cfg: MockConfig, shutdown: CancellationToken) -> Router {
     let stats = Arc::new(Stats::default());
-    let engine = Engine::new(EngineParams::from_config(&cfg), stats.clone());
+    let sdk_ring = crate::sdk::Ring::default();
+    let (sdk_metrics, prometheus) = crate::sdk::prometheus();
+    let engine = Engine::with_tracker(
+        EngineParams::from_config(&cfg),
+        stats.clone(),
+        crate::sdk::tracker_factory(&cfg, sdk_ring.clone(), prometheus),
+    );
     let state = App(Arc::new(AppInner {
         cfg,
         engine,
         stats,
         shutdown,
+        sdk_ring,
+        sdk_metrics,
         next_request: AtomicU64::new(0),
     }));
     Router::new()
@@ -62,6 +74,7 @@ pub(crate) fn app(cfg: MockConfig, shutdown: CancellationToken) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize_route))
+        .route("/debug/sdk/requests", get(sdk_requests))
         .fallback(not_found)
         .with_state(state)
 }
@@ -498,13 +511,34 @@ async fn generate_inner(
         return Ok(fault_response(app, f, Some(&shape)).await);
     }
     let (output_tokens, finish) = plan_output(cfg, &req, request_no);
+    let meta = Meta {
+        request_id: Some(shape.id.clone()),
+        model: req.model.clone(),
+        // An invalid traceparent starts no span (nothing could join it).
+        trace: header_str(headers, "traceparent")
+            .ok()
+            .flatten()
+            .and_then(tokenscope_sdk::TraceContext::parse),
+        reason: if finish == "length" {
+            tokenscope_sdk::FinishReason::Length
+        } else {
+            tokenscope_sdk::FinishReason::Stop
+        },
+        request_type: match kind {
+            Kind::Chat => "chat",
+            Kind::Completion => "completion",
+        },
+    };
     let rx = app
         .0
         .engine
-        .submit(Job {
-            prompt_tokens: req.prompt_tokens,
-            output_tokens,
-        })
+        .submit_with(
+            Job {
+                prompt_tokens: req.prompt_tokens,
+                output_tokens,
+            },
+            meta,
+        )
         .map_err(|e| ApiError::unavailable(e.to_string()))?;
     if req.stream {
         Ok(stream_response(shape, finish, req.include_usage, rx))
@@ -691,6 +725,13 @@ async fn fault_response(app: &App, fault: Fault, shape: Option<&Shape>) -> Respo
 // ---------------------------------------------------------------------------------------------
 // Other routes
 
+/// `GET /debug/sdk/requests`: the SDK tracker's last finished requests (oldest first), with
+/// their phases in integer nanoseconds — what the OTLP spans carry.
+async fn sdk_requests(State(app): State<App>) -> Response {
+    let list: Vec<Value> = app.0.sdk_ring.lock().iter().cloned().collect();
+    axum::Json(Value::Array(list)).into_response()
+}
+
 async fn embeddings(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
     match embeddings_inner(&app, &headers, &body).await {
         Ok(r) => r,
@@ -788,10 +829,12 @@ async fn health() -> Response {
 }
 
 async fn metrics(State(app): State<App>) -> Response {
-    let text = app
+    let mut text = app
         .0
         .stats
         .render(&app.0.cfg.model, app.0.cfg.slots, app.0.cfg.kv_tokens);
+    // The SDK's engine-side request metrics (the gateway's names and buckets).
+    text.push_str(&crate::sdk::render(&app.0.sdk_metrics));
     (
         [(
             header::CONTENT_TYPE,

@@ -90,6 +90,19 @@
 //! endpoints; an unknown name is a 400. `x-mock-delay-ms: N` waits N real milliseconds before the
 //! request is processed (not counted as queue time).
 //!
+//! ## SDK (phase accounting, OTLP)
+//!
+//! The engine's phases are computed by the `tokenscope-sdk` tracker (the mock is its dog
+//! food): arrival = the request's `queued_at`, scheduled at the start of the admitting step,
+//! each step reported with its per-request work (prefill chunk or decode token), finish at the
+//! step that produced the last token. `timings` (`prompt_ms` = the SDK's prefill,
+//! `predicted_ms` = its decode) come from the tracker's integer nanoseconds. The last 10 000
+//! finished requests are served at `GET /debug/sdk/requests` (phases in ns, trace id, request
+//! id), and `/metrics` also carries the SDK's engine-side `llm_*` request metrics (the gateway's
+//! names, labels and buckets; `user_bucket="anonymous"`). With [`MockConfig::otlp_endpoint`], every request that arrived with a valid
+//! `traceparent` is exported as a vLLM-style `llm_request` span (parent = the caller's span),
+//! so a tokenscope gateway in front joins the engine-side queue/prefill/decode into its record.
+//!
 //! ## Invariants
 //!
 //! * Timestamps of every request are ordered: `queued ≤ scheduled ≤ first ≤ last ≤ finished`.
@@ -104,6 +117,7 @@ mod fault;
 mod http;
 mod metrics;
 mod rng;
+mod sdk;
 mod tokenizer;
 
 pub use fault::{Fault, UnknownFault};
@@ -146,6 +160,10 @@ pub struct MockConfig {
     /// Decode cost per KV token resident in the sequences decoding in a step, ms
     /// (memory-bandwidth-bound attention). Default 0.
     pub decode_ms_per_kv_token: f64,
+    /// OTLP endpoint (`http://host:4318`, or a tokenscope gateway's admin listener) that
+    /// receives one `llm_request` span per request that came with a `traceparent`, with the
+    /// SDK's `gen_ai.latency.*` phases. Default `None` (off). See the crate docs, "SDK".
+    pub otlp_endpoint: Option<String>,
 }
 
 impl Default for MockConfig {
@@ -162,6 +180,7 @@ impl Default for MockConfig {
             default_max_tokens: 256,
             kv_tokens: 0,
             decode_ms_per_kv_token: 0.0,
+            otlp_endpoint: None,
         }
     }
 }

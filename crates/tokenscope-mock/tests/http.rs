@@ -803,3 +803,123 @@ async fn time_scale_sets_the_pace() {
     assert!(wall >= predicted, "wall {wall} predicted {predicted}");
     srv.stop().await;
 }
+
+/// The SDK tracker's view: `/debug/sdk/requests` holds each finished request's phases (ns),
+/// equal to the `timings` the response carried, and with `otlp_endpoint` a vLLM-style span
+/// reaches an OTLP receiver with the same values, in the caller's trace.
+#[tokio::test]
+async fn sdk_records_and_otlp_spans_match_the_timings() {
+    use std::sync::{Arc, Mutex};
+    // A minimal OTLP/HTTP receiver.
+    let bodies: Arc<Mutex<Vec<Bytes>>> = Arc::default();
+    let b2 = bodies.clone();
+    let app = axum::Router::new().route(
+        "/v1/traces",
+        axum::routing::post(move |body: Bytes| {
+            let b2 = b2.clone();
+            async move {
+                b2.lock().expect("lock").push(body);
+                ([("content-type", "application/x-protobuf")], Bytes::new())
+            }
+        }),
+    );
+    let rx_listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let rx_addr = rx_listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(rx_listener, app).await });
+
+    let srv = Server::start(MockConfig {
+        otlp_endpoint: Some(format!("http://{rx_addr}")),
+        ..fast()
+    })
+    .await;
+    let c = client();
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let tp = format!("00-{trace}-b7ad6b7169203331-01");
+    let r = post(
+        &c,
+        &srv.url("/v1/chat/completions"),
+        &chat_body(6, json!({})),
+        &[("traceparent", &tp)],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let v = json_body(r).await;
+    // Untraced requests are tracked but not exported.
+    let r = post(
+        &c,
+        &srv.url("/v1/chat/completions"),
+        &chat_body(2, json!({})),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status(), StatusCode::OK);
+
+    let deadline = Instant::now() + LONG;
+    let rec = loop {
+        let (status, body) = get(&c, &srv.url("/debug/sdk/requests")).await;
+        assert_eq!(status, StatusCode::OK);
+        let list: Vec<Value> = serde_json::from_str(&body).expect("json");
+        if list.len() == 2 {
+            break list
+                .into_iter()
+                .find(|r| r["trace_id"] == trace)
+                .expect("traced record");
+        }
+        assert!(Instant::now() < deadline, "{body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(rec["request_id"], v["id"]);
+    assert_eq!(rec["output_tokens"], 6);
+    assert_eq!(rec["finish_reason"], "stop");
+    let ns = |k: &str| rec[k].as_u64().expect(k);
+    assert_eq!(
+        ns("queue_ns") + ns("prefill_ns") + ns("decode_ns"),
+        ns("e2e_ns")
+    );
+    let t = &v["timings"];
+    let close = |ms: &Value, ns: u64| (ms.as_f64().expect("ms") * 1e6 - ns as f64).abs() < 1.0;
+    assert!(close(&t["prompt_ms"], ns("prefill_ns")), "{t} {rec}");
+    assert!(close(&t["predicted_ms"], ns("decode_ns")), "{t} {rec}");
+
+    let span = loop {
+        let got: Vec<Bytes> = bodies.lock().expect("lock").clone();
+        let spans: Vec<_> = got
+            .iter()
+            .flat_map(|b| {
+                tokenscope_otlp::decode_request(Some("application/x-protobuf"), b)
+                    .expect("OTLP protobuf")
+            })
+            .collect();
+        if let Some(s) = spans.into_iter().next() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "no span");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(span.trace_id, trace);
+    assert_eq!(span.name, "llm_request");
+    assert_eq!(span.request_id.as_deref(), v["id"].as_str());
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let same = |a: Option<f64>, b: f64| (a.expect("value") - b).abs() < 1e-6;
+    assert!(same(span.update.queue_duration_ms, ms(ns("queue_ns"))));
+    assert!(same(span.update.prefill_duration_ms, ms(ns("prefill_ns"))));
+    assert!(same(span.update.decode_duration_ms, ms(ns("decode_ns"))));
+    assert!(same(span.e2e_ms, ms(ns("e2e_ns"))));
+    assert_eq!(span.update.output_tokens, Some(6));
+    assert_eq!(span.update.input_tokens, Some(CHAT_PROMPT_TOKENS));
+
+    // The SDK's engine-side request metrics ride on /metrics, with the gateway's names.
+    let want = "llm_requests_total{model=\"test-model\",request_type=\"chat\",status=\"ok\"} 2";
+    loop {
+        let (_, m) = get(&c, &srv.url("/metrics")).await;
+        if m.contains(want) {
+            assert!(m.contains("llm_tokens_total{model=\"test-model\",token_type=\"output\",user_bucket=\"anonymous\"} 8"), "{m}");
+            assert!(m.contains("# TYPE llm_ttft_seconds histogram"), "{m}");
+            assert!(!m.contains("# EOF"), "0.0.4 text: {m}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "{m}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    srv.stop().await;
+}

@@ -701,13 +701,11 @@ impl Gateway {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(cfg.connect_timeout()));
         connector.set_nodelay(true);
-        // Memory per open stream: reads from the engine use a fixed 4 KiB buffer (an SSE event
-        // is far smaller; hyper's adaptive buffer would start at 8 KiB and grow), and at most
-        // `POOL_MAX_IDLE_PER_HOST` idle connections per engine stay pooled after a burst.
+        // At most `POOL_MAX_IDLE_PER_HOST` idle connections per engine stay pooled after a
+        // burst (each holds hyper's buffers, ~30 KiB).
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
-            .http1_read_buf_exact_size(4096)
             .build(connector);
         let tokenizers = tokenscope_tokenize::Tokenizers::new(&cfg.tokenizers)
             .map_err(|e| ConfigError::Invalid(format!("tokenizers: {e}")))?;

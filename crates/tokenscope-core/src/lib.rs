@@ -23,6 +23,7 @@ pub mod prompt;
 pub mod record;
 pub mod sse;
 pub mod timing;
+pub mod w3c;
 
 pub use record::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,

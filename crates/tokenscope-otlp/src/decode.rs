@@ -310,15 +310,7 @@ fn valid_id(id: &[u8], len: usize) -> bool {
     id.len() == len && id.iter().any(|&b| b != 0)
 }
 
-fn lower_hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for &b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
-    }
-    out
-}
+use tokenscope_core::w3c::hex as lower_hex;
 
 #[cfg(test)]
 mod tests;

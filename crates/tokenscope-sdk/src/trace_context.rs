@@ -15,62 +15,15 @@ pub struct TraceContext {
     pub flags: u8,
 }
 
-fn hex_val(b: u8) -> Option<u8> {
-    match b {
-        b'0'..=b'9' => Some(b - b'0'),
-        b'a'..=b'f' => Some(b - b'a' + 10),
-        _ => None,
-    }
-}
-
-fn decode_hex(s: &str, out: &mut [u8]) -> Option<()> {
-    let b = s.as_bytes();
-    if b.len() != out.len() * 2 {
-        return None;
-    }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = (hex_val(b[2 * i])? << 4) | hex_val(b[2 * i + 1])?;
-    }
-    Some(())
-}
-
-/// Lower-case hex of `bytes`.
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for &b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
-    }
-    out
-}
+pub(crate) use tokenscope_core::w3c::hex;
 
 impl TraceContext {
     /// Parses a `traceparent` header value; `None` when it is not valid.
     pub fn parse(traceparent: &str) -> Option<Self> {
-        let mut parts = traceparent.trim().split('-');
-        let version = parts.next()?;
-        let trace = parts.next()?;
-        let parent = parts.next()?;
-        let flags = parts.next()?;
-        let mut v = [0u8; 1];
-        decode_hex(version, &mut v)?;
-        if v[0] == 0xff || (v[0] == 0 && parts.next().is_some()) {
-            return None;
-        }
-        let mut trace_id = [0u8; 16];
-        let mut parent_span_id = [0u8; 8];
-        let mut f = [0u8; 1];
-        decode_hex(trace, &mut trace_id)?;
-        decode_hex(parent, &mut parent_span_id)?;
-        decode_hex(flags, &mut f)?;
-        if trace_id.iter().all(|&b| b == 0) || parent_span_id.iter().all(|&b| b == 0) {
-            return None;
-        }
-        Some(Self {
-            trace_id,
-            parent_span_id,
-            flags: f[0],
+        tokenscope_core::w3c::TraceParent::parse(traceparent).map(|tp| Self {
+            trace_id: tp.trace_id,
+            parent_span_id: tp.parent_id,
+            flags: tp.flags,
         })
     }
 

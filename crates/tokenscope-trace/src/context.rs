@@ -11,8 +11,6 @@
 //!   because the gateway decides at the end of the request (tail sampling) and the engine must
 //!   not drop its spans before that decision is made.
 
-use std::fmt::Write as _;
-
 /// A 16-byte trace id.
 pub type TraceId = [u8; 16];
 /// An 8-byte span id.
@@ -34,87 +32,13 @@ pub struct RequestTrace {
     pub flags: u8,
 }
 
-/// A parsed, valid `traceparent`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TraceParent {
-    /// Trace id.
-    pub trace_id: TraceId,
-    /// The sender's span id.
-    pub parent_id: SpanId,
-    /// Trace flags.
-    pub flags: u8,
-}
-
-fn hex_val(b: u8) -> Option<u8> {
-    match b {
-        b'0'..=b'9' => Some(b - b'0'),
-        b'a'..=b'f' => Some(b - b'a' + 10),
-        _ => None,
-    }
-}
-
-/// Decodes lowercase hex into `out` (exactly `2 * out.len()` characters).
-fn decode_hex(s: &str, out: &mut [u8]) -> Option<()> {
-    let b = s.as_bytes();
-    if b.len() != out.len() * 2 {
-        return None;
-    }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = hex_val(b[2 * i])? << 4 | hex_val(b[2 * i + 1])?;
-    }
-    Some(())
-}
-
 /// Lowercase hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        // Writing to a String cannot fail.
-        let _ = write!(s, "{b:02x}");
-    }
-    s
-}
-
-/// Parses a lowercase-hex trace id (32 characters).
-pub fn parse_trace_id(s: &str) -> Option<TraceId> {
-    let mut id = [0u8; 16];
-    decode_hex(s, &mut id)?;
-    (id != [0; 16]).then_some(id)
-}
-
-impl TraceParent {
-    /// Parses a `traceparent` header value; `None` when it is not valid.
-    pub fn parse(value: &str) -> Option<Self> {
-        let v = value.trim();
-        let mut parts = v.split('-');
-        let version = parts.next()?;
-        let trace = parts.next()?;
-        let parent = parts.next()?;
-        let flags = parts.next()?;
-        let mut ver = [0u8; 1];
-        decode_hex(version, &mut ver)?;
-        if ver[0] == 0xff {
-            return None;
-        }
-        // Version 00 has exactly four fields; later versions may append more.
-        if ver[0] == 0 && parts.next().is_some() {
-            return None;
-        }
-        let trace_id = parse_trace_id(trace)?;
-        let mut parent_id = [0u8; 8];
-        decode_hex(parent, &mut parent_id)?;
-        if parent_id == [0; 8] {
-            return None;
-        }
-        let mut fl = [0u8; 1];
-        decode_hex(flags, &mut fl)?;
-        Some(TraceParent {
-            trace_id,
-            parent_id,
-            flags: fl[0],
-        })
-    }
-}
+pub use tokenscope_core::w3c::hex;
+/// Parses a lowercase-hex trace id (32 characters, not all zero).
+pub use tokenscope_core::w3c::parse_trace_id;
+/// A parsed, valid `traceparent` (tokenscope-core's W3C parser, shared with the OTLP receiver
+/// and the engine SDK).
+pub use tokenscope_core::w3c::TraceParent;
 
 /// A random non-zero span id.
 pub fn new_span_id() -> SpanId {

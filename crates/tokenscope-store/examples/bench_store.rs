@@ -13,7 +13,9 @@
 //! `--reuse` (with `--db`: keep the existing database and only run the reports; `--rows` must
 //! match how it was filled), `--drop-index NAME` (repeatable: drop that index right after
 //! opening, to measure what it costs on insert), `--update-every N` (after the inserts, one
-//! late engine update per N rows through `apply_updates`, default 10, 0 to skip),
+//! late engine update per N rows through `apply_updates`, default 10, 0 to skip; the writer
+//! remembers every row's trace id for it — capacity 1 048 576, not the gateway's default
+//! 65 536, so updates to rows from the whole run find them; `--trace-rows N` changes it),
 //! `--pragma NAME=VALUE` (repeatable: run `PRAGMA NAME=VALUE` on the writer after opening,
 //! e.g. `cache_size=-262144`). Besides wall time inside `insert_batch`, the insert phase's
 //! process CPU time (user + sys, `/proc/self/stat`) is printed: the load-independent cost.
@@ -49,6 +51,7 @@ struct Args {
     pragma: Vec<String>,
     exec: Vec<String>,
     update_every: u64,
+    trace_rows: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -64,6 +67,7 @@ fn parse_args() -> Result<Args, String> {
         pragma: Vec::new(),
         exec: Vec::new(),
         update_every: 10,
+        trace_rows: 1 << 20,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -82,6 +86,7 @@ fn parse_args() -> Result<Args, String> {
             "--repeat" => a.repeat = num(val()?)?.max(1) as usize,
             "--reuse" => a.reuse = true,
             "--update-every" => a.update_every = num(val()?)?,
+            "--trace-rows" => a.trace_rows = num(val()?)? as usize,
             "--drop-index" => a.drop_index.push(val()?),
             "--pragma" => a.pragma.push(val()?),
             "--exec" => a.exec.push(val()?),
@@ -89,7 +94,7 @@ fn parse_args() -> Result<Args, String> {
                 return Err(
                     "usage: bench_store [--rows N] [--batch N] [--days N] [--db PATH] \
                             [--pipeline-rows N] [--repeat N] [--reuse] [--drop-index NAME]… \
-                            [--pragma NAME=VALUE]… [--update-every N]"
+                            [--pragma NAME=VALUE]… [--update-every N] [--trace-rows N]"
                         .to_owned(),
                 )
             }
@@ -313,6 +318,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         path.display()
     );
     let mut store = SqliteStore::open(&path)?;
+    store.set_trace_rows_capacity(args.trace_rows);
     for ix in &args.drop_index {
         store
             .conn()

@@ -24,7 +24,7 @@
 //! * Late engine values ([`PhaseUpdate`]) are joined by `trace_id`
 //!   ([`SqliteStore::apply_updates`]), through the writer's trace map
 //!   ([`crate::trace_rows`]: the `created_at` range of the rows of each of the last
-//!   1 048 576 trace ids, rebuilt from the newest rows on open) and a seek on the time index;
+//!   65 536 trace ids by default, rebuilt from the newest rows on open) and a seek on the time index;
 //!   an update for an older row, or for a trace never seen, waits in the pending map and
 //!   expires there (counted). A `Some` phase overwrites the stored one with source
 //!   `engine`; an engine token count replaces a stored one unless that one came from `usage`

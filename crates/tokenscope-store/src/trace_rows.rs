@@ -7,7 +7,7 @@
 //! seconds after their request, so the map only needs the recent rows.
 //!
 //! Invariants:
-//! * Bounded: at most `capacity` trace ids (FIFO eviction of the oldest noted); ~48 bytes
+//! * Bounded: at most `capacity` trace ids (FIFO eviction of the oldest noted); ~55 bytes
 //!   each. Updates for traces evicted (or never seen) wait in the pending map and expire
 //!   there, counted — they are never applied to a wrong row: the update statement always
 //!   compares the full trace id too.
@@ -19,8 +19,12 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hasher;
 
-/// Default number of trace ids remembered (~48 MiB at most).
-pub const DEFAULT_TRACE_ROWS: usize = 1 << 20;
+/// Default number of trace ids remembered: 65 536, ~3.5 MiB at most (u128 key, `created_at`
+/// range, FIFO order, hash-table overhead). Engine spans arrive seconds after their request
+/// (vLLM's OTLP batch exporter: ≤ 5 s); at 500 req/s this covers the last ~2 minutes. It was
+/// 1 048 576 (~55 MiB once full, and allocated at start from a large store) — more than the
+/// gateway's whole memory budget.
+pub const DEFAULT_TRACE_ROWS: usize = 1 << 16;
 
 /// Compact key of a trace id: its 128 bits when it is 32 hex digits (every id the gateway
 /// makes), else a 128-bit hash (the SQL still checks the full id).

@@ -4,7 +4,9 @@
 //! * Same names, label names, bucket boundaries and types as the gateway
 //!   (`tokenscope-telemetry`): `llm_request_latency_seconds{model,request_type,status}`,
 //!   `llm_ttft_seconds{model,input_bucket}`, `llm_tpot_seconds{model}`,
-//!   `llm_tokens_total{model,token_type,user_bucket}`, `llm_requests_total{model,request_type,status}`
+//!   `llm_tokens_total{model,token_type,user_bucket}`, `llm_requests_total{model,request_type,status}`,
+//!   `llm_request_phase_seconds{model,phase}` (queue / prefill / decode; the families are
+//!   registered by `tokenscope_telemetry::RequestFamilies`, the gateway's own code)
 //!   — so dashboards and alert rules work unchanged on an engine's `/metrics`. The engine has
 //!   no user: `user_bucket` is `anonymous`, as the gateway labels requests without a user.
 //! * Updated on the exporter thread only, one batch at a time; the engine thread never
@@ -41,18 +43,12 @@
 
 use crate::pipeline::{Batch, Exporter, SinkStats};
 use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::exemplar::HistogramWithExemplars;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Unit;
 use std::sync::Arc;
 use tokenscope_core::InputBucket;
 use tokenscope_telemetry::{
-    ModelLabeler, ModelLabels, RequestLabels, TokenLabels, TraceExemplar, TtftLabels,
-    LATENCY_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS,
+    ModelLabeler, ModelLabels, PhaseLabels, RequestFamilies, RequestLabels, SeenBy, TokenLabels,
+    TraceExemplar, TtftLabels,
 };
-
-type Hist = HistogramWithExemplars<TraceExemplar>;
-type HistFamily<L> = Family<L, Hist, fn() -> Hist>;
 
 /// `user_bucket` of engine-side token counts (the gateway's label for an unknown user).
 pub const USER_BUCKET: &str = "anonymous";
@@ -61,11 +57,8 @@ pub const USER_BUCKET: &str = "anonymous";
 /// registry with [`PrometheusExporter::register`].
 pub struct PrometheusExporter {
     models: ModelLabeler,
-    request_latency: HistFamily<RequestLabels>,
-    ttft: HistFamily<TtftLabels>,
-    tpot: HistFamily<ModelLabels>,
-    tokens: Family<TokenLabels, Counter>,
-    requests: Family<RequestLabels, Counter>,
+    /// The gateway's request-level families (names, units, buckets: tokenscope-telemetry).
+    f: RequestFamilies,
     batches_dropped: Counter,
     requests_dropped: Counter,
     sink: Option<Arc<SinkStats>>,
@@ -75,43 +68,7 @@ pub struct PrometheusExporter {
 impl PrometheusExporter {
     /// Registers the metrics in `registry` (the engine's own `/metrics` registry).
     pub fn register(registry: &mut Registry) -> Self {
-        let request_latency: HistFamily<RequestLabels> =
-            Family::new_with_constructor(|| Hist::new(LATENCY_BUCKETS.into_iter()));
-        let ttft: HistFamily<TtftLabels> =
-            Family::new_with_constructor(|| Hist::new(TTFT_BUCKETS.into_iter()));
-        let tpot: HistFamily<ModelLabels> =
-            Family::new_with_constructor(|| Hist::new(TPOT_BUCKETS.into_iter()));
-        let tokens = Family::<TokenLabels, Counter>::default();
-        let requests = Family::<RequestLabels, Counter>::default();
-        // Help texts: the gateway's, with "gateway" replaced where the meaning differs.
-        registry.register_with_unit(
-            "llm_request_latency",
-            "End-to-end request latency as seen by the engine (arrival to finish)",
-            Unit::Seconds,
-            request_latency.clone(),
-        );
-        registry.register_with_unit(
-            "llm_ttft",
-            "Time to first token (arrival to first content chunk), streamed requests",
-            Unit::Seconds,
-            ttft.clone(),
-        );
-        registry.register_with_unit(
-            "llm_tpot",
-            "Time per output token, (t_last - t_first)/(n_out - 1), n_out >= 2",
-            Unit::Seconds,
-            tpot.clone(),
-        );
-        registry.register(
-            "llm_tokens",
-            "Tokens by type (input includes cached; cached is also counted alone)",
-            tokens.clone(),
-        );
-        registry.register(
-            "llm_requests",
-            "Measured requests by outcome",
-            requests.clone(),
-        );
+        let f = RequestFamilies::register(registry, SeenBy::Engine);
         let batches_dropped = Counter::default();
         let requests_dropped = Counter::default();
         registry.register(
@@ -126,11 +83,7 @@ impl PrometheusExporter {
         );
         Self {
             models: ModelLabeler::new(50),
-            request_latency,
-            ttft,
-            tpot,
-            tokens,
-            requests,
+            f,
             batches_dropped,
             requests_dropped,
             sink: None,
@@ -149,7 +102,8 @@ impl PrometheusExporter {
             let model = self.models.label(&d.model);
             for (token_type, n) in [("input", d.input), ("output", d.output)] {
                 if n > 0 {
-                    self.tokens
+                    self.f
+                        .tokens
                         .get_or_create(&TokenLabels {
                             model: model.clone(),
                             token_type,
@@ -168,14 +122,29 @@ impl PrometheusExporter {
                 request_type: f.request_type.to_owned(),
                 status: f.reason.outcome().as_str(),
             };
-            self.request_latency.get_or_create(&req).observe(
+            self.f.request_latency.get_or_create(&req).observe(
                 f.e2e_ns() as f64 / 1e9,
                 exemplar(),
                 now,
             );
-            self.requests.get_or_create(&req).inc();
+            self.f.requests.get_or_create(&req).inc();
+            for (phase, ns) in [
+                ("queue", f.queue_ns),
+                ("prefill", f.prefill_ns),
+                ("decode", f.decode_ns),
+            ] {
+                // ms first, then s: the gateway's arithmetic on the record's `*_duration_ms`.
+                self.f
+                    .phases
+                    .get_or_create(&PhaseLabels {
+                        model: model.clone(),
+                        phase,
+                    })
+                    .observe(ns as f64 / 1e6 / 1000.0);
+            }
             if let Some(ttft) = f.ttft_ns() {
-                self.ttft
+                self.f
+                    .ttft
                     .get_or_create(&TtftLabels {
                         model: model.clone(),
                         input_bucket: InputBucket::of(f.prompt_tokens).as_str(),
@@ -183,7 +152,7 @@ impl PrometheusExporter {
                     .observe(ttft as f64 / 1e9, exemplar(), now);
             }
             if let Some(tpot) = f.tpot_ns() {
-                self.tpot.get_or_create(&ModelLabels { model }).observe(
+                self.f.tpot.get_or_create(&ModelLabels { model }).observe(
                     tpot / 1e9,
                     exemplar(),
                     now,
@@ -273,6 +242,7 @@ mod tests {
                         "llm_tpot",
                         "llm_tokens",
                         "llm_requests",
+                        "llm_request_phase",
                     ]
                     .iter()
                     .any(|p| name.starts_with(p))
@@ -293,5 +263,6 @@ mod tests {
         assert!(sdk.contains(
             "llm_tokens_total{model=\"llama\",token_type=\"output\",user_bucket=\"anonymous\"} 5"
         ));
+        assert!(sdk.contains("llm_request_phase_seconds_count{model=\"llama\",phase=\"decode\"} 1"));
     }
 }

@@ -186,8 +186,107 @@ impl Default for MetricsConfig {
     }
 }
 
-type ExemplarHist = HistogramWithExemplars<TraceExemplar>;
-type ExemplarFamily<L> = Family<L, ExemplarHist, fn() -> ExemplarHist>;
+/// A histogram whose exemplar is a kept trace's id.
+pub type ExemplarHist = HistogramWithExemplars<TraceExemplar>;
+/// A family of [`ExemplarHist`].
+pub type ExemplarFamily<L> = Family<L, ExemplarHist, fn() -> ExemplarHist>;
+/// A family of plain histograms.
+pub type HistFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Who measured the request-level metrics (only the help texts differ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeenBy {
+    /// The gateway, in front of the engine.
+    Gateway,
+    /// The engine itself (`tokenscope-sdk`).
+    Engine,
+}
+
+/// The request-level families — `llm_request_latency_seconds`, `llm_ttft_seconds`,
+/// `llm_tpot_seconds`, `llm_tokens_total`, `llm_requests_total`,
+/// `llm_request_phase_seconds` — registered with their names, units and buckets in one place,
+/// shared by the gateway's [`Metrics`] and the engine SDK's Prometheus exporter so that
+/// dashboards and rules read both unchanged.
+#[derive(Clone)]
+pub struct RequestFamilies {
+    /// `llm_request_latency_seconds{model,request_type,status}`.
+    pub request_latency: ExemplarFamily<RequestLabels>,
+    /// `llm_ttft_seconds{model,input_bucket}`.
+    pub ttft: ExemplarFamily<TtftLabels>,
+    /// `llm_tpot_seconds{model}`.
+    pub tpot: ExemplarFamily<ModelLabels>,
+    /// `llm_tokens_total{model,token_type,user_bucket}`.
+    pub tokens: Family<TokenLabels, Counter>,
+    /// `llm_requests_total{model,request_type,status}`.
+    pub requests: Family<RequestLabels, Counter>,
+    /// `llm_request_phase_seconds{model,phase}`.
+    pub phases: HistFamily<PhaseLabels>,
+}
+
+impl RequestFamilies {
+    /// Creates the families and registers them in `registry`.
+    pub fn register(registry: &mut Registry, seen_by: SeenBy) -> Self {
+        let f = RequestFamilies {
+            request_latency: Family::new_with_constructor(|| {
+                HistogramWithExemplars::new(LATENCY_BUCKETS.into_iter())
+            }),
+            ttft: Family::new_with_constructor(|| {
+                HistogramWithExemplars::new(TTFT_BUCKETS.into_iter())
+            }),
+            tpot: Family::new_with_constructor(|| {
+                HistogramWithExemplars::new(TPOT_BUCKETS.into_iter())
+            }),
+            tokens: Family::default(),
+            requests: Family::default(),
+            phases: Family::new_with_constructor(|| Histogram::new(PHASE_BUCKETS)),
+        };
+        let (latency_help, phase_help) = match seen_by {
+            SeenBy::Gateway => (
+                "End-to-end request latency as seen by the gateway",
+                "Time per request phase (queue, prefill, decode), from the engine's per-request timing when it reports one, else the gateway's estimate",
+            ),
+            SeenBy::Engine => (
+                "End-to-end request latency as seen by the engine (arrival to finish)",
+                "Time per request phase (queue, prefill, decode), from the engine's per-request timing",
+            ),
+        };
+        registry.register_with_unit(
+            "llm_request_phase",
+            phase_help,
+            Unit::Seconds,
+            f.phases.clone(),
+        );
+        registry.register_with_unit(
+            "llm_request_latency",
+            latency_help,
+            Unit::Seconds,
+            f.request_latency.clone(),
+        );
+        registry.register_with_unit(
+            "llm_ttft",
+            "Time to first token (arrival to first content chunk), streamed requests",
+            Unit::Seconds,
+            f.ttft.clone(),
+        );
+        registry.register_with_unit(
+            "llm_tpot",
+            "Time per output token, (t_last - t_first)/(n_out - 1), n_out >= 2",
+            Unit::Seconds,
+            f.tpot.clone(),
+        );
+        registry.register(
+            "llm_tokens",
+            "Tokens by type (input includes cached; cached is also counted alone)",
+            f.tokens.clone(),
+        );
+        registry.register(
+            "llm_requests",
+            "Measured requests by outcome",
+            f.requests.clone(),
+        );
+        f
+    }
+}
 
 /// Every metric tokenscope exposes. Cheap to share behind an `Arc`.
 pub struct Metrics {
@@ -196,7 +295,7 @@ pub struct Metrics {
     request_types: ModelLabeler,
     users: UserLabeler,
     business_lines: ModelLabeler,
-    phases: Family<PhaseLabels, Histogram, fn() -> Histogram>,
+    phases: HistFamily<PhaseLabels>,
     line_tokens: Family<LineTokenLabels, Counter>,
     cost_usd: Family<CostLabels, Counter<f64, AtomicU64>>,
     request_latency: ExemplarFamily<RequestLabels>,
@@ -250,26 +349,17 @@ impl Metrics {
     /// Builds the registry.
     pub fn new(cfg: MetricsConfig) -> Self {
         let mut registry = Registry::default();
-        let request_latency: ExemplarFamily<RequestLabels> = Family::new_with_constructor(|| {
-            HistogramWithExemplars::new(LATENCY_BUCKETS.into_iter())
-        });
-        let ttft: ExemplarFamily<TtftLabels> =
-            Family::new_with_constructor(|| HistogramWithExemplars::new(TTFT_BUCKETS.into_iter()));
-        let tpot: ExemplarFamily<ModelLabels> =
-            Family::new_with_constructor(|| HistogramWithExemplars::new(TPOT_BUCKETS.into_iter()));
-        let tokens = Family::<TokenLabels, Counter>::default();
-        let requests = Family::<RequestLabels, Counter>::default();
+        let RequestFamilies {
+            request_latency,
+            ttft,
+            tpot,
+            tokens,
+            requests,
+            phases,
+        } = RequestFamilies::register(&mut registry, SeenBy::Gateway);
         let in_flight = Family::<ModelLabels, Gauge>::default();
-        let phases: Family<PhaseLabels, Histogram, fn() -> Histogram> =
-            Family::new_with_constructor(|| Histogram::new(PHASE_BUCKETS));
         let line_tokens = Family::<LineTokenLabels, Counter>::default();
         let cost_usd = Family::<CostLabels, Counter<f64, AtomicU64>>::default();
-        registry.register_with_unit(
-            "llm_request_phase",
-            "Time per request phase (queue, prefill, decode), from the engine's per-request timing when it reports one, else the gateway's estimate",
-            Unit::Seconds,
-            phases.clone(),
-        );
         registry.register(
             "llm_business_line_tokens",
             "Tokens by business line and type (input includes cached)",
@@ -279,34 +369,6 @@ impl Metrics {
             "llm_cost_usd",
             "Cost in USD of priced requests (`[[prices]]`) by model and business line",
             cost_usd.clone(),
-        );
-        registry.register_with_unit(
-            "llm_request_latency",
-            "End-to-end request latency as seen by the gateway",
-            Unit::Seconds,
-            request_latency.clone(),
-        );
-        registry.register_with_unit(
-            "llm_ttft",
-            "Time to first token (arrival to first content chunk), streamed requests",
-            Unit::Seconds,
-            ttft.clone(),
-        );
-        registry.register_with_unit(
-            "llm_tpot",
-            "Time per output token, (t_last - t_first)/(n_out - 1), n_out >= 2",
-            Unit::Seconds,
-            tpot.clone(),
-        );
-        registry.register(
-            "llm_tokens",
-            "Tokens by type (input includes cached; cached is also counted alone)",
-            tokens.clone(),
-        );
-        registry.register(
-            "llm_requests",
-            "Measured requests by outcome",
-            requests.clone(),
         );
         registry.register(
             "llm_requests_in_flight",

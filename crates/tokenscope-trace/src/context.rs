@@ -95,12 +95,12 @@ impl RequestTrace {
 
     /// The `traceparent` sent to the engine: this trace, the `upstream` span as parent.
     pub fn upstream_traceparent(&self) -> String {
-        format!(
-            "00-{}-{}-{:02x}",
-            hex(&self.trace_id),
-            hex(&self.upstream_span_id),
-            self.flags
-        )
+        TraceParent {
+            trace_id: self.trace_id,
+            parent_id: self.upstream_span_id,
+            flags: self.flags,
+        }
+        .to_header()
     }
 }
 

@@ -138,7 +138,9 @@ name = "mock-slow"
 url = "http://$SLOW"
 models = ["slow-*"]
 EOF
-TOKENSCOPE_SPOOL__DIR="$WORK/spool" "$BIN" serve --config "$WORK/gateway.toml" \
+GW_ENV=(TOKENSCOPE_SPOOL__DIR="$WORK/spool")
+[ -n "${GW_WORKERS:-}" ] && GW_ENV+=(TOKIO_WORKER_THREADS="$GW_WORKERS")
+env "${GW_ENV[@]}" "$BIN" serve --config "$WORK/gateway.toml" \
   --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --store "$WORK/ts.db" \
   --otlp-endpoint "http://127.0.0.1:$OTLP_PORT" --otlp-protocol http --trace-sample-ratio 0.01 \
   >"$WORK/gateway.out" 2>"$WORK/gateway.err" &

@@ -11,11 +11,12 @@
 //! ```
 //!
 //! Invariants:
-//! * **The request path never waits.** [`Recorder::record`] is a `try_send` into a
-//!   `std::sync::mpsc::sync_channel` plus a few atomic operations: no lock held across I/O, no
+//! * **The request path never waits.** [`Recorder::record`] is a `try_send` into a bounded
+//!   queue (std's linked-block `mpsc` channel plus a depth counter) plus a few atomic operations: no lock held across I/O, no
 //!   `.await`, no blocking call. It is safe to call from async code. Neither the batcher nor
 //!   the sender is ever waited on by it: the spool's lock is shared by those two threads only.
-//! * **Bounded memory.** At most [`PipelineConfig::capacity`] records wait in the queue, one
+//! * **Bounded memory.** At most [`PipelineConfig::capacity`] records wait in the queue (its
+//!   memory follows what is queued: nothing is allocated for empty slots), one
 //!   batch is being cut, [`PipelineConfig::handoff_batches`] batches wait for the sender and
 //!   one is being written. Everything beyond goes to disk (with a spool) or waits in the queue
 //!   (without one, where a full queue drops).
@@ -72,7 +73,7 @@
 //!   [`PipelineObserver::on_update_unmatched`] and [`Recorder::updates_unmatched`].
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -285,6 +286,72 @@ const REPLAY_ROUND: Duration = Duration::from_millis(500);
 /// Repeated identical store errors are logged at most this often.
 const ERROR_LOG_INTERVAL: Duration = Duration::from_secs(30);
 
+/// Sending half of the bounded queue between the request path and the batcher.
+///
+/// `std::sync::mpsc::sync_channel(capacity)` allocates and writes every slot when it is
+/// created (2 MiB resident for the default 65 536 slots, before the first request); this is
+/// std's unbounded channel, which allocates blocks of slots as messages arrive and frees them
+/// as they are received, bounded by a depth counter shared with [`QueueRx`].
+#[derive(Clone)]
+struct QueueTx {
+    tx: mpsc::Sender<Msg>,
+    depth: Arc<AtomicUsize>,
+    cap: usize,
+}
+
+impl QueueTx {
+    /// Never blocks: `Full` when `cap` messages are queued, `Disconnected` when the batcher is
+    /// gone.
+    fn try_send(&self, msg: Msg) -> Result<(), TrySendError<Msg>> {
+        if self.depth.fetch_add(1, Ordering::AcqRel) >= self.cap {
+            self.depth.fetch_sub(1, Ordering::AcqRel);
+            return Err(TrySendError::Full(msg));
+        }
+        self.tx.send(msg).map_err(|mpsc::SendError(m)| {
+            self.depth.fetch_sub(1, Ordering::AcqRel);
+            TrySendError::Disconnected(m)
+        })
+    }
+}
+
+/// Receiving half of the bounded queue (see [`QueueTx`]).
+struct QueueRx {
+    rx: Receiver<Msg>,
+    depth: Arc<AtomicUsize>,
+}
+
+impl QueueRx {
+    fn took<E>(&self, r: Result<Msg, E>) -> Result<Msg, E> {
+        if r.is_ok() {
+            self.depth.fetch_sub(1, Ordering::AcqRel);
+        }
+        r
+    }
+    fn recv(&self) -> Result<Msg, mpsc::RecvError> {
+        self.took(self.rx.recv())
+    }
+    fn recv_timeout(&self, d: Duration) -> Result<Msg, RecvTimeoutError> {
+        self.took(self.rx.recv_timeout(d))
+    }
+    fn try_recv(&self) -> Result<Msg, TryRecvError> {
+        self.took(self.rx.try_recv())
+    }
+}
+
+/// The bounded queue: at most `cap` messages (`cap` ≥ 1).
+fn queue(cap: usize) -> (QueueTx, QueueRx) {
+    let (tx, rx) = mpsc::channel();
+    let depth = Arc::new(AtomicUsize::new(0));
+    (
+        QueueTx {
+            tx,
+            depth: Arc::clone(&depth),
+            cap,
+        },
+        QueueRx { rx, depth },
+    )
+}
+
 enum Msg {
     Record(Box<RequestRecord>),
     Update(Box<PhaseUpdate>),
@@ -326,7 +393,7 @@ impl Shared {
 /// The request path's handle: cheap to clone, never blocks.
 #[derive(Clone)]
 pub struct Recorder {
-    tx: SyncSender<Msg>,
+    tx: QueueTx,
     shared: Arc<Shared>,
 }
 
@@ -427,7 +494,7 @@ impl Recorder {
 
 /// Owner's handle: flush and shut down the pipeline.
 pub struct PipelineHandle {
-    tx: SyncSender<Msg>,
+    tx: QueueTx,
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
     link: Arc<Link>,
@@ -607,7 +674,7 @@ fn spawn(
         handoff_batches: cfg.handoff_batches.max(1),
         ..cfg
     };
-    let (tx, rx) = mpsc::sync_channel(cfg.capacity);
+    let (tx, rx) = queue(cfg.capacity);
     let (job_tx, job_rx) = mpsc::sync_channel(cfg.handoff_batches);
     let shared = Arc::new(Shared {
         obs,
@@ -866,7 +933,7 @@ impl Link {
 /// Cuts the queue into batches and routes them: to the sender while the store keeps up, to
 /// the spool otherwise.
 struct Batcher {
-    rx: Receiver<Msg>,
+    rx: QueueRx,
     batch: Batch,
     cfg: PipelineConfig,
     link: Arc<Link>,

@@ -2,9 +2,14 @@
 //! is measured.
 //!
 //! Invariants:
-//! * Frames are forwarded as they arrive; nothing waits for the end of the response. In pass-
-//!   through mode each frame is returned unchanged (the same `Bytes`), so the client receives
-//!   byte-for-byte what the engine sent.
+//! * Frames are forwarded as they arrive; nothing waits for the end of the response or for more
+//!   data. What is already available when the body is polled (the upstream chunks decoded from
+//!   one socket read) is forwarded as one frame, up to [`COALESCE_MAX`] bytes: one write to the
+//!   client instead of one per SSE event. In pass-through mode the bytes are unchanged, so the
+//!   client receives byte-for-byte what the engine sent (HTTP/1.1 chunk boundaries are per hop).
+//! * The upstream connection ([`UpConn`]) is driven here, by the client connection's task: no
+//!   other task is woken per chunk. It returns to its pool when the body ended cleanly and is
+//!   closed otherwise (dropped with this body).
 //! * In strip mode (the gateway added `include_usage`), frames are cut at SSE event boundaries and
 //!   only the usage-only event the client did not ask for is removed; an incomplete event is held
 //!   until its terminating blank line arrives (at most `max_sse_event_bytes`).
@@ -15,6 +20,7 @@
 //!   through [`RecordGuard`]'s `Drop` — when the client goes away.
 
 use crate::recording::RecordGuard;
+use crate::upconn::UpConn;
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
@@ -57,29 +63,42 @@ pub(crate) enum Mode {
     },
 }
 
+/// Most bytes forwarded as one frame when several upstream chunks are available at once.
+pub const COALESCE_MAX: usize = 64 * 1024;
+
 /// The instrumented response body. See the module docs.
 pub struct MeteredBody {
     inner: Incoming,
+    /// The upstream connection the body comes from (`None` once released or closed).
+    up: Option<UpConn>,
+    /// A non-data frame or an error that followed data forwarded in the same poll.
+    stashed: Option<Result<Frame<Bytes>, BoxError>>,
     mode: Mode,
     guard: RecordGuard,
     idle: Pin<Box<Sleep>>,
     idle_timeout: Duration,
+    /// When the last frame arrived (the idle deadline is `last_data + idle_timeout`).
+    last_data: Instant,
     done: bool,
 }
 
 impl MeteredBody {
     pub(crate) fn new(
         inner: Incoming,
+        up: Option<UpConn>,
         mode: Mode,
         guard: RecordGuard,
         idle_timeout: Duration,
     ) -> Self {
         Self {
             inner,
+            up,
+            stashed: None,
             mode,
             guard,
             idle: Box::pin(tokio::time::sleep(idle_timeout)),
             idle_timeout,
+            last_data: Instant::now(),
             done: false,
         }
     }
@@ -250,6 +269,51 @@ fn on_event(p: &mut crate::recording::Pending, raw: &[u8], now: Instant, strip: 
     }
 }
 
+/// Bytes gathered for one outgoing frame: the first chunk as is, more chunks copied together.
+#[derive(Default)]
+struct Gather {
+    one: Option<Bytes>,
+    many: Option<BytesMut>,
+}
+
+impl Gather {
+    fn push(&mut self, b: Bytes) {
+        if b.is_empty() {
+            return;
+        }
+        if let Some(m) = self.many.as_mut() {
+            m.extend_from_slice(&b);
+        } else if let Some(first) = self.one.take() {
+            let mut m = BytesMut::with_capacity(first.len() + b.len());
+            m.extend_from_slice(&first);
+            m.extend_from_slice(&b);
+            self.many = Some(m);
+        } else {
+            self.one = Some(b);
+        }
+    }
+    fn len(&self) -> usize {
+        self.many
+            .as_ref()
+            .map_or_else(|| self.one.as_ref().map_or(0, Bytes::len), BytesMut::len)
+    }
+    fn take(&mut self) -> Option<Bytes> {
+        self.many
+            .take()
+            .map(BytesMut::freeze)
+            .or_else(|| self.one.take())
+    }
+}
+
+impl MeteredBody {
+    /// The body ended cleanly: the upstream connection may serve another request.
+    fn release_upstream(&mut self) {
+        if let Some(up) = self.up.take() {
+            up.release();
+        }
+    }
+}
+
 impl Body for MeteredBody {
     type Data = Bytes;
     type Error = BoxError;
@@ -259,14 +323,35 @@ impl Body for MeteredBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = self.get_mut();
+        if let Some(s) = this.stashed.take() {
+            return Poll::Ready(Some(s));
+        }
         if this.done {
             return Poll::Ready(None);
         }
+        let mut out = Gather::default();
+        let ready = |out: &mut Gather| out.take().map(|b| Poll::Ready(Some(Ok(Frame::data(b)))));
         loop {
+            if let Some(up) = this.up.as_mut() {
+                up.drive(cx);
+            }
             match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Pending => {
-                    if this.idle.as_mut().poll(cx).is_ready() {
+                    if let Some(p) = ready(&mut out) {
+                        return p;
+                    }
+                    // The idle deadline moves with the data lazily: the timer is re-armed when
+                    // it fires early, not reset per frame.
+                    while this.idle.as_mut().poll(cx).is_ready() {
+                        let deadline = this.last_data + this.idle_timeout;
+                        if deadline > Instant::now() {
+                            this.idle
+                                .as_mut()
+                                .reset(tokio::time::Instant::from_std(deadline));
+                            continue;
+                        }
                         this.done = true;
+                        this.up = None;
                         this.guard.finish(
                             Instant::now(),
                             Some((Outcome::Timeout, "stream_idle_timeout")),
@@ -279,56 +364,64 @@ impl Body for MeteredBody {
                 }
                 Poll::Ready(Some(Ok(frame))) => {
                     let now = Instant::now();
-                    this.idle
-                        .as_mut()
-                        .reset(tokio::time::Instant::from_std(now) + this.idle_timeout);
+                    this.last_data = now;
                     match frame.into_data() {
                         Ok(data) => {
-                            let mut out = this.on_data(data, now);
+                            out.push(this.on_data(data, now));
                             if this.inner.is_end_stream() {
                                 // A body of known length: the server stops polling once all
                                 // bytes are sent, so finish here rather than at `None`.
                                 this.done = true;
-                                let tail = this.on_end(now);
-                                if !tail.is_empty() {
-                                    let mut j = BytesMut::from(&out[..]);
-                                    j.extend_from_slice(&tail);
-                                    out = j.freeze();
+                                out.push(this.on_end(now));
+                                this.release_upstream();
+                                return ready(&mut out).unwrap_or(Poll::Ready(None));
+                            }
+                            if out.len() >= COALESCE_MAX {
+                                if let Some(p) = ready(&mut out) {
+                                    return p;
                                 }
                             }
-                            if out.is_empty() {
-                                if this.done {
-                                    return Poll::Ready(None);
-                                }
-                                continue;
-                            }
-                            return Poll::Ready(Some(Ok(Frame::data(out))));
                         }
-                        Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                        Err(frame) => {
+                            // Trailers: after the data gathered so far.
+                            return match ready(&mut out) {
+                                Some(p) => {
+                                    this.stashed = Some(Ok(frame));
+                                    p
+                                }
+                                None => Poll::Ready(Some(Ok(frame))),
+                            };
+                        }
                     }
                 }
                 Poll::Ready(Some(Err(e))) => {
                     this.done = true;
+                    this.up = None;
                     this.guard.finish(
                         Instant::now(),
                         Some((Outcome::UpstreamError, "upstream_disconnected")),
                     );
-                    return Poll::Ready(Some(Err(Box::new(BodyError::Upstream(e)))));
+                    let err: BoxError = Box::new(BodyError::Upstream(e));
+                    return match ready(&mut out) {
+                        Some(p) => {
+                            this.stashed = Some(Err(err));
+                            p
+                        }
+                        None => Poll::Ready(Some(Err(err))),
+                    };
                 }
                 Poll::Ready(None) => {
                     this.done = true;
-                    let tail = this.on_end(Instant::now());
-                    if tail.is_empty() {
-                        return Poll::Ready(None);
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(tail))));
+                    out.push(this.on_end(Instant::now()));
+                    this.release_upstream();
+                    return ready(&mut out).unwrap_or(Poll::Ready(None));
                 }
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done
+        self.done && self.stashed.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -26,6 +26,7 @@ pub mod dashboard;
 pub mod engine;
 mod proxy;
 pub mod recording;
+mod upconn;
 
 pub use config::{ConfigError, DurationSetting, GatewayConfig, TracingSection, UpstreamConfig};
 pub use proxy::{REQUEST_ID, TRACE_ID};
@@ -95,6 +96,8 @@ pub(crate) struct Upstream {
     cfg: UpstreamConfig,
     /// The engine's state, scraped from its metrics endpoint (lock-free reads).
     state: Option<EngineStateHandle>,
+    /// Connections of measured requests (driven by the request's task, see `upconn`).
+    pool: Arc<upconn::UpPool>,
 }
 
 /// Idle upstream connections kept per engine after a burst (more are closed when released).
@@ -608,6 +611,7 @@ impl Gateway {
             states.extend(state.clone());
             upstreams.push(Upstream {
                 name: u.name.clone(),
+                pool: upconn::UpPool::new(&base, cfg.connect_timeout(), POOL_MAX_IDLE_PER_HOST),
                 base,
                 cfg: u.clone(),
                 state,

@@ -6,9 +6,11 @@
 //! 3. JSON read for model / stream / usage options / user; prompt hash and entry token estimate;
 //! 4. attribution (headers, body `user`, API-key map; raw keys never leave this function);
 //! 5. routing by model; `include_usage` injected for streams that did not ask for it;
-//! 6. upstream call with connect and header timeouts (502 / 504 with a JSON error body);
-//! 7. the response body is wrapped in [`MeteredBody`], which forwards and measures each frame and
-//!    finishes the record at its end.
+//! 6. upstream call with connect and header timeouts (502 / 504 with a JSON error body), on a
+//!    connection of the upstream's [`crate::upconn::UpPool`] that this request's task drives;
+//! 7. the response body is wrapped in [`MeteredBody`], which drives that connection, forwards
+//!    and measures each frame (what arrived together in one write) and finishes the record at
+//!    its end.
 //!
 //! A malformed request body is forwarded as received (the engine answers it), still recorded.
 
@@ -83,6 +85,13 @@ fn upstream_uri(base: &Uri, original: &Uri) -> Result<Uri, http::Error> {
     let mut parts = base.clone().into_parts();
     parts.path_and_query = Some(format!("{prefix}{pq}").parse()?);
     Ok(Uri::from_parts(parts)?)
+}
+
+/// The upstream request target in origin-form: the base URL's path prefix + path and query.
+fn origin_form(base: &Uri, original: &Uri) -> Result<Uri, http::Error> {
+    let pq = original.path_and_query().map_or("/", |p| p.as_str());
+    let prefix = base.path().trim_end_matches('/');
+    Ok(format!("{prefix}{pq}").parse()?)
 }
 
 fn copy_request_headers(src: &HeaderMap, dst: &mut HeaderMap, measured: bool) {
@@ -301,7 +310,8 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
             }
         }
     }
-    let uri = match upstream_uri(&upstream.base, &parts.uri) {
+    // Origin-form: the connection is to the upstream itself (`Host` is set by the pool).
+    let uri = match origin_form(&upstream.base, &parts.uri) {
         Ok(u) => u,
         Err(e) => {
             guard.finish(Instant::now(), Some((Outcome::ClientError, "bad_uri")));
@@ -325,7 +335,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
             HeaderValue::from(forward_body.len()),
         );
     }
-    let up = match up.body(Body::from(forward_body)) {
+    let up = match up.body(http_body_util::Full::new(forward_body)) {
         Ok(r) => r,
         Err(e) => {
             guard.finish(Instant::now(), Some((Outcome::ClientError, "bad_request")));
@@ -336,7 +346,11 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     if let Some(p) = guard.get() {
         p.timer.mark_upstream_sent(Instant::now());
     }
-    let resp = tokio::time::timeout(shared.cfg.upstream_timeout(), shared.client.request(up)).await;
+    let resp = tokio::time::timeout(
+        shared.cfg.upstream_timeout(),
+        crate::upconn::send(&upstream.pool, up),
+    )
+    .await;
     let resp = match resp {
         Err(_) => {
             guard.finish(
@@ -368,6 +382,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         }
         Ok(Ok(r)) => r,
     };
+    let (resp, upconn) = resp;
 
     let headers_at = Instant::now();
     let status = resp.status();
@@ -396,7 +411,13 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     };
     let drop_length = is_sse && strip_usage;
     let (rparts, rbody) = resp.into_parts();
-    let metered = MeteredBody::new(rbody, mode, guard, shared.cfg.stream_idle_timeout());
+    let metered = MeteredBody::new(
+        rbody,
+        Some(upconn),
+        mode,
+        guard,
+        shared.cfg.stream_idle_timeout(),
+    );
     let mut out = Response::new(Body::new(metered));
     *out.status_mut() = rparts.status;
     copy_response_headers(&rparts.headers, out.headers_mut(), drop_length);
@@ -479,6 +500,21 @@ mod tests {
         assert_eq!(
             upstream_uri(&base, &orig).expect("join").to_string(),
             "http://127.0.0.1:8080/prefix/v1/models?x=1"
+        );
+    }
+
+    #[test]
+    fn origin_form_keeps_the_prefix() {
+        let base: Uri = "http://127.0.0.1:8080/prefix/".parse().expect("uri");
+        let orig: Uri = "/v1/chat/completions?x=1".parse().expect("uri");
+        assert_eq!(
+            origin_form(&base, &orig).expect("join").to_string(),
+            "/prefix/v1/chat/completions?x=1"
+        );
+        let base: Uri = "http://engine:8000".parse().expect("uri");
+        assert_eq!(
+            origin_form(&base, &orig).expect("join").to_string(),
+            "/v1/chat/completions?x=1"
         );
     }
 

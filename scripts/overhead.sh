@@ -35,7 +35,8 @@
 #
 # Environment: CARGO_TARGET_DIR (default $HOME/.cache/tokenscope/target), TOKENSCOPE_CACHE
 # (default $HOME/.cache/tokenscope), RATE (500), DURATION (20s), TOKENS (100), PAIRS (2),
-# STREAMS (1000), MOCK_TIME_SCALE (0), TOKENSCOPE_BIN (use this binary, no build),
+# STREAMS (1000), MOCK_TIME_SCALE (0), GW_WORKERS (the gateway's --worker-threads; default:
+# its own default), TOKENSCOPE_BIN (use this binary, no build),
 # KEEP=1 keeps the work directory (bench JSON, logs, spans).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -138,9 +139,9 @@ name = "mock-slow"
 url = "http://$SLOW"
 models = ["slow-*"]
 EOF
-GW_ENV=(TOKENSCOPE_SPOOL__DIR="$WORK/spool")
-[ -n "${GW_WORKERS:-}" ] && GW_ENV+=(TOKIO_WORKER_THREADS="$GW_WORKERS")
-env "${GW_ENV[@]}" "$BIN" serve --config "$WORK/gateway.toml" \
+GW_ARGS=()
+[ -n "${GW_WORKERS:-}" ] && GW_ARGS+=(--worker-threads "$GW_WORKERS")
+TOKENSCOPE_SPOOL__DIR="$WORK/spool" "$BIN" serve "${GW_ARGS[@]}" --config "$WORK/gateway.toml" \
   --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --store "$WORK/ts.db" \
   --otlp-endpoint "http://127.0.0.1:$OTLP_PORT" --otlp-protocol http --trace-sample-ratio 0.01 \
   >"$WORK/gateway.out" 2>"$WORK/gateway.err" &

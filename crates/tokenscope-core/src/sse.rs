@@ -176,7 +176,15 @@ pub fn parse_event(raw: &[u8]) -> SseEvent<'_> {
             }
             None => (line, &b""[..]),
         };
-        let value = String::from_utf8_lossy(value);
+        if field != b"data" && field != b"event" {
+            continue;
+        }
+        // Valid UTF-8 (every engine's case) is borrowed after the fast check; invalid bytes
+        // become U+FFFD as before.
+        let value = match std::str::from_utf8(value) {
+            Ok(v) => std::borrow::Cow::Borrowed(v),
+            Err(_) => String::from_utf8_lossy(value),
+        };
         match field {
             b"data" => match &mut ev.data {
                 Some(d) => {

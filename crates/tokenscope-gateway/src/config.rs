@@ -389,6 +389,10 @@ pub struct GatewayConfig {
     pub max_sse_event_bytes: usize,
     /// Recent records kept in memory for the admin API.
     pub recent_records: usize,
+    /// Threads of the gateway's async runtime; 0 = one per core but one (at least one), which
+    /// leaves a core to the store writer, the exporters and the processes sharing the machine
+    /// (on 2 cores: one worker, no cross-worker wake-ups — docs/benchmarks.md).
+    pub worker_threads: usize,
     /// Prometheus label options.
     pub metrics: MetricsSection,
     /// Store pipeline options.
@@ -434,6 +438,7 @@ impl Default for GatewayConfig {
             max_response_parse_bytes: 16 * 1024 * 1024,
             max_sse_event_bytes: 4 * 1024 * 1024,
             recent_records: 1000,
+            worker_threads: 0,
             metrics: MetricsSection::default(),
             pipeline: PipelineSection::default(),
             spool: SpoolSection::default(),
@@ -452,6 +457,18 @@ impl Default for GatewayConfig {
 }
 
 impl GatewayConfig {
+    /// The runtime's worker threads: `worker_threads`, or for 0 the number of cores minus one
+    /// (at least one).
+    pub fn runtime_workers(&self) -> usize {
+        if self.worker_threads > 0 {
+            return self.worker_threads;
+        }
+        std::thread::available_parallelism()
+            .map_or(1, std::num::NonZeroUsize::get)
+            .saturating_sub(1)
+            .max(1)
+    }
+
     /// Loads `file` (if any), applies the process environment, and validates.
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
         Self::load_with_env(file, std::env::vars())
@@ -622,6 +639,7 @@ const ENV_KEYS: &[&str] = &[
     "max_response_parse_bytes",
     "max_sse_event_bytes",
     "recent_records",
+    "worker_threads",
     "token_mismatch_tolerance",
 ];
 /// Tables whose keys are settable as `TOKENSCOPE_<TABLE>__<KEY>`.

@@ -941,16 +941,41 @@ struct Batcher {
     started: Option<Instant>,
 }
 
+/// After a record or update, the batcher sleeps this long and then takes everything that
+/// arrived meanwhile, instead of being woken for each message (a futex wake on the request
+/// path and a context switch here, per record). Bounds the extra delay of a flush request.
+const LINGER: Duration = Duration::from_millis(10);
+
 impl Batcher {
     fn run(&mut self) {
         let mut flush_at: Option<Instant> = None;
+        let mut linger = false;
         loop {
-            let msg = match flush_at {
-                Some(f) => self
-                    .rx
-                    .recv_timeout(f.saturating_duration_since(Instant::now())),
-                None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+            let msg = if flush_at.is_some_and(|f| Instant::now() >= f) {
+                // Due: flush (or hold, see below) before taking more, even with more queued.
+                Err(RecvTimeoutError::Timeout)
+            } else if linger {
+                linger = false;
+                match self.rx.try_recv() {
+                    Ok(m) => Ok(m),
+                    Err(TryRecvError::Empty) => {
+                        std::thread::sleep(LINGER.min(self.cfg.flush_interval));
+                        continue;
+                    }
+                    Err(TryRecvError::Disconnected) => Err(RecvTimeoutError::Disconnected),
+                }
+            } else {
+                match flush_at {
+                    Some(f) => self
+                        .rx
+                        .recv_timeout(f.saturating_duration_since(Instant::now())),
+                    None => self.rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                }
             };
+            if matches!(msg, Ok(Msg::Record(_) | Msg::Update(_))) {
+                // Take what is already queued without sleeping; sleep once the queue is empty.
+                linger = true;
+            }
             match msg {
                 Ok(Msg::Record(rec)) => {
                     if self.batch.is_empty() {

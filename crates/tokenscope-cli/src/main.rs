@@ -364,7 +364,7 @@ async fn mock_engine(args: MockArgs) -> Result<()> {
     Ok(())
 }
 
-/// One malloc arena for the whole process (glibc), unless `MALLOC_ARENA_MAX` says otherwise.
+/// One malloc arena for the gateway process (glibc), unless `MALLOC_ARENA_MAX` says otherwise.
 ///
 /// glibc gives each thread that allocates its own arena (up to 8 per core); memory freed into
 /// one arena is not reused by another, so a gateway whose connections move between worker
@@ -384,8 +384,11 @@ fn one_malloc_arena() {
 }
 
 fn main() -> Result<()> {
-    one_malloc_arena();
     let cli = Cli::parse();
+    if matches!(cli.cmd, Cmd::Serve(_)) {
+        // Before the runtime (or anything else) starts a thread.
+        one_malloc_arena();
+    }
     init_logging();
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();

@@ -100,8 +100,11 @@ pub(crate) struct Upstream {
     pool: Arc<upconn::UpPool>,
 }
 
-/// Idle upstream connections kept per engine after a burst (more are closed when released).
+/// Idle upstream connections of measured requests kept per engine after a burst (more are
+/// closed when released).
 const POOL_MAX_IDLE_PER_HOST: usize = 256;
+/// Idle connections of the pass-through client (`/v1/models`, `/health`, …) per engine.
+const PASSTHROUGH_MAX_IDLE_PER_HOST: usize = 32;
 
 /// State shared by every request. Nothing in it is locked across I/O.
 pub(crate) struct Shared {
@@ -705,11 +708,12 @@ impl Gateway {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(cfg.connect_timeout()));
         connector.set_nodelay(true);
-        // At most `POOL_MAX_IDLE_PER_HOST` idle connections per engine stay pooled after a
-        // burst (each holds hyper's buffers, ~30 KiB).
+        // The pass-through client (unmeasured paths; measured requests use `upconn`): at most
+        // `PASSTHROUGH_MAX_IDLE_PER_HOST` idle connections per engine (each holds hyper's
+        // buffers, ~30 KiB).
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
+            .pool_max_idle_per_host(PASSTHROUGH_MAX_IDLE_PER_HOST)
             .build(connector);
         let tokenizers = tokenscope_tokenize::Tokenizers::new(&cfg.tokenizers)
             .map_err(|e| ConfigError::Invalid(format!("tokenizers: {e}")))?;

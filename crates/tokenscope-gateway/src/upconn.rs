@@ -319,6 +319,14 @@ mod tests {
         (addr, accepted)
     }
 
+    fn pool_for(addr: &str) -> Arc<UpPool> {
+        UpPool::new(
+            &format!("http://{addr}").parse().expect("uri"),
+            Duration::from_secs(1),
+            8,
+        )
+    }
+
     async fn get(pool: &Arc<UpPool>) -> Result<String, UpError> {
         let req = Request::get("/x")
             .body(Full::new(Bytes::new()))
@@ -345,11 +353,7 @@ mod tests {
     #[tokio::test]
     async fn reuses_connections_and_drops_closed_ones() {
         let (addr, accepted) = server(3).await;
-        let pool = UpPool::new(
-            &format!("http://{addr}").parse().expect("uri"),
-            Duration::from_secs(1),
-            8,
-        );
+        let pool = pool_for(&addr.to_string());
         for _ in 0..7 {
             assert_eq!(get(&pool).await.expect("response"), "ok");
         }
@@ -364,11 +368,7 @@ mod tests {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = l.local_addr().expect("addr");
         drop(l);
-        let pool = UpPool::new(
-            &format!("http://{addr}").parse().expect("uri"),
-            Duration::from_secs(1),
-            8,
-        );
+        let pool = pool_for(&addr.to_string());
         let err = get(&pool).await.expect_err("nobody listens");
         assert!(err.is_connect(), "{err}");
     }
@@ -376,11 +376,7 @@ mod tests {
     #[tokio::test]
     async fn dropped_mid_body_closes_the_connection() {
         let (addr, accepted) = server(100).await;
-        let pool = UpPool::new(
-            &format!("http://{addr}").parse().expect("uri"),
-            Duration::from_secs(1),
-            8,
-        );
+        let pool = pool_for(&addr.to_string());
         let req = Request::get("/x")
             .body(Full::new(Bytes::new()))
             .expect("request");

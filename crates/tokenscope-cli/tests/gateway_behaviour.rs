@@ -105,8 +105,13 @@ async fn sse_passes_through_byte_for_byte() {
         &odd_cuts(unterminated),
         Duration::from_millis(1),
     );
+    // The same pieces with no pause: several HTTP chunks arrive in one read, so the gateway
+    // forwards what arrived together as one frame (coalescing, also across the stripped
+    // usage event).
+    let burst_reply = Reply::cut("text/event-stream", &full, &cuts, Duration::ZERO);
     let fx = Fixture::start(move |c| match c.header("x-fixture") {
         Some("unterminated") => short_reply.clone(),
+        Some("burst") => burst_reply.clone(),
         _ => reply.clone(),
     })
     .await;
@@ -158,6 +163,25 @@ async fn sse_passes_through_byte_for_byte() {
     assert_eq!(rec["finish_reason"], "stop");
     assert_eq!(rec["model_served"], "fx-served");
     assert!(rec["ttft_ms"].as_f64().is_some_and(|t| t > 0.0), "{rec}");
+
+    // Burst: the same bytes and the same record, in both modes.
+    for (body, want) in [
+        (with_usage(chat("fx", "Say hello.", true)), full.clone()),
+        (chat("fx", "Say hello.", true), stripped.clone()),
+    ] {
+        let s = stream(&url, &body, &[("x-fixture", "burst")], None).await;
+        assert_eq!(
+            String::from_utf8_lossy(&s.raw),
+            String::from_utf8_lossy(&want),
+            "burst, include_usage={}",
+            body["stream_options"]["include_usage"]
+        );
+        let rec = gw.record(&s.request_id()).await;
+        assert_eq!(rec["outcome"], "ok", "{rec}");
+        assert_eq!(rec["output_tokens"], 42);
+        assert_eq!(rec["chunks"], 2);
+        assert_eq!(rec["finish_reason"], "stop");
+    }
 
     // An unterminated last event is still delivered, in both modes.
     for (body, want) in [

@@ -150,24 +150,10 @@ mod tests {
             assert_ne!(t.trace_id_hex(), "4bf92f3577b34da6a3ce929d0e0e4736");
             assert_eq!(t.flags, 1);
         }
-        // A later version may carry more fields.
-        assert!(TraceParent::parse(
-            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-what-ever"
-        )
-        .is_some());
+        // The parser itself (round trip, later versions) is tested in tokenscope_core::w3c.
     }
 
     proptest! {
-        #[test]
-        fn roundtrip(trace in any::<u128>(), span in any::<u64>(), flags in any::<u8>()) {
-            prop_assume!(trace != 0 && span != 0);
-            let s = format!("00-{:032x}-{:016x}-{:02x}", trace, span, flags);
-            let tp = TraceParent::parse(&s).expect("valid");
-            prop_assert_eq!(tp.trace_id, trace.to_be_bytes());
-            prop_assert_eq!(tp.parent_id, span.to_be_bytes());
-            prop_assert_eq!(tp.flags, flags);
-        }
-
         #[test]
         fn never_panics(s in ".{0,80}") {
             let _ = TraceParent::parse(&s);

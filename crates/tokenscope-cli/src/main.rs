@@ -92,6 +92,11 @@ struct ServeArgs {
     /// but one, at least one].
     #[arg(long)]
     worker_threads: Option<usize>,
+    /// Nice value of the runtime's threads, -20 ..= 19 (like nginx's `worker_priority`; a
+    /// negative value needs CAP_SYS_NICE or RLIMIT_NICE) [config: worker_priority; default: 0,
+    /// unchanged].
+    #[arg(long, allow_negative_numbers = true)]
+    worker_priority: Option<i32>,
 }
 
 #[derive(Args)]
@@ -383,6 +388,23 @@ fn one_malloc_arena() {
     }
 }
 
+/// Sets the calling thread's nice value (on Linux a per-thread attribute, which is what
+/// `setpriority(PRIO_PROCESS, 0)` changes). Failure (a negative value without `CAP_SYS_NICE`
+/// or `RLIMIT_NICE`) is logged once; the thread keeps its inherited priority.
+fn set_thread_nice(nice: i32) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    if let Err(e) = rustix::process::setpriority_process(None, nice) {
+        WARNED.call_once(|| {
+            tracing::warn!(
+                worker_priority = nice,
+                error = %e,
+                "could not set the runtime threads' priority (a negative value needs \
+                 CAP_SYS_NICE or LimitNICE=); running at the inherited priority"
+            );
+        });
+    }
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     if matches!(cli.cmd, Cmd::Serve(_)) {
@@ -393,11 +415,22 @@ fn main() -> Result<()> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();
     if let Cmd::Serve(a) = &cli.cmd {
+        let cfg = GatewayConfig::load(a.config.as_deref())?;
         let workers = match a.worker_threads {
             Some(n) if n > 0 => n,
-            _ => GatewayConfig::load(a.config.as_deref())?.runtime_workers(),
+            _ => cfg.runtime_workers(),
         };
         builder.worker_threads(workers);
+        let nice = a.worker_priority.unwrap_or(cfg.worker_priority);
+        if !(-20..=19).contains(&nice) {
+            anyhow::bail!("--worker-priority {nice}: must be a nice value, -20 ..= 19");
+        }
+        if nice != 0 {
+            // Every runtime thread: they run the listeners and all requests. The main thread
+            // (it only awaits the shutdown signal) and the threads it starts (store writer,
+            // spool) keep the inherited priority.
+            builder.on_thread_start(move || set_thread_nice(nice));
+        }
     }
     let rt = builder.build().context("starting the runtime")?;
     match cli.cmd {

@@ -927,3 +927,71 @@ async fn embeddings_are_measured() {
     assert!(rec["ttft_ms"].is_null());
     assert_eq!(rec["outcome"], "ok");
 }
+
+/// `--worker-priority N` (nginx's `worker_priority`): every runtime thread (they run the
+/// listeners and all requests) gets nice value N; the store's own threads, the exporters and the
+/// main thread keep the inherited priority. A
+/// positive value needs no privilege, so the test runs anywhere. Out of range = start-up error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_priority_sets_the_runtime_threads_nice_value() {
+    let mock = MockProc::start(&[]);
+    let gw = GatewayProc::start_with_args(
+        Some(&mock.url()),
+        &["--worker-threads", "2", "--worker-priority", "7"],
+        &[],
+    );
+    // It serves as usual.
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 3, "stream": true});
+    let s = stream(&gw.url("/v1/chat/completions"), &body, &[], None).await;
+    assert_eq!(s.status, 200);
+    assert_eq!(gw.record(&s.request_id()).await["output_tokens"], 3);
+
+    // (comm, nice) of every thread: /proc/PID/task/TID/stat, nice is field 19.
+    let pid = gw.child.id();
+    let mut threads = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).expect("task dir") {
+        let stat = std::fs::read_to_string(t.expect("entry").path().join("stat")).expect("stat");
+        let open = stat.find('(').expect("(");
+        let close = stat.rfind(')').expect(")");
+        let comm = stat[open + 1..close].to_string();
+        let nice: i32 = stat[close + 2..]
+            .split_whitespace()
+            .nth(16)
+            .expect("nice field")
+            .parse()
+            .expect("nice");
+        threads.push((comm, nice));
+    }
+    let workers: Vec<_> = threads
+        .iter()
+        .filter(|(c, _)| c == "tokio-rt-worker")
+        .collect();
+    assert!(workers.len() >= 2, "runtime threads: {threads:?}");
+    for (comm, nice) in &threads {
+        let want = if comm == "tokio-rt-worker" { 7 } else { 0 };
+        assert_eq!(*nice, want, "thread {comm}: {threads:?}");
+    }
+    assert!(
+        threads
+            .iter()
+            .any(|(c, n)| c.starts_with("tokenscope-") && *n == 0),
+        "the store's threads keep the inherited priority: {threads:?}"
+    );
+
+    // Out of range: refused at start, with the reason.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenscope"))
+        .args([
+            "serve",
+            "--upstream",
+            &mock.url(),
+            "--worker-priority",
+            "25",
+        ])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("-20 ..= 19"), "{err}");
+}

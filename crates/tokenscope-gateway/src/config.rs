@@ -393,6 +393,14 @@ pub struct GatewayConfig {
     /// leaves a core to the store writer, the exporters and the processes sharing the machine
     /// (on 2 cores: one worker, no cross-worker wake-ups — docs/benchmarks.md).
     pub worker_threads: usize,
+    /// Nice value of the runtime's threads (the request path), like nginx's `worker_priority`:
+    /// -20 (most favoured) ..= 19; 0 = unchanged. A negative value needs `CAP_SYS_NICE` or a
+    /// matching `RLIMIT_NICE` (systemd `Nice=` / `LimitNICE=`); without it the gateway warns
+    /// once and runs at the inherited priority. The store writer, the exporters and the spool
+    /// keep the inherited priority. On a host where the gateway shares few cores with busy
+    /// processes (the engine's CPU side, a load generator), a woken worker otherwise waits for
+    /// the CPU behind them: docs/benchmarks.md, "Worker priority".
+    pub worker_priority: i32,
     /// Prometheus label options.
     pub metrics: MetricsSection,
     /// Store pipeline options.
@@ -439,6 +447,7 @@ impl Default for GatewayConfig {
             max_sse_event_bytes: 4 * 1024 * 1024,
             recent_records: 1000,
             worker_threads: 0,
+            worker_priority: 0,
             metrics: MetricsSection::default(),
             pipeline: PipelineSection::default(),
             spool: SpoolSection::default(),
@@ -560,6 +569,12 @@ impl GatewayConfig {
             addr.parse::<SocketAddr>()
                 .map_err(|e| ConfigError::Invalid(format!("{what} = {addr:?}: {e}")))?;
         }
+        if !(-20..=19).contains(&self.worker_priority) {
+            return Err(ConfigError::Invalid(format!(
+                "worker_priority = {}: must be a nice value, -20 ..= 19",
+                self.worker_priority
+            )));
+        }
         if self.max_body_bytes == 0 || self.pipeline.capacity == 0 || self.pipeline.batch_size == 0
         {
             return Err(ConfigError::Invalid(
@@ -640,6 +655,7 @@ const ENV_KEYS: &[&str] = &[
     "max_sse_event_bytes",
     "recent_records",
     "worker_threads",
+    "worker_priority",
     "token_mismatch_tolerance",
 ];
 /// Tables whose keys are settable as `TOKENSCOPE_<TABLE>__<KEY>`.
@@ -732,6 +748,20 @@ tenant = "search"
         assert!(GatewayConfig::load_with_env(None, env).is_err());
         let env = vec![("TOKENSCOPE_UPSTREAM".to_string(), "https://x".to_string())];
         assert!(GatewayConfig::load_with_env(None, env).is_err());
+        for (v, ok) in [
+            ("-20", true),
+            ("19", true),
+            ("-10", true),
+            ("-21", false),
+            ("20", false),
+        ] {
+            let env = vec![("TOKENSCOPE_WORKER_PRIORITY".to_string(), v.to_string())];
+            let got = GatewayConfig::load_with_env(None, env);
+            assert_eq!(got.is_ok(), ok, "worker_priority = {v}");
+            if ok {
+                assert_eq!(got.expect("valid").worker_priority.to_string(), v);
+            }
+        }
     }
 
     #[test]

@@ -22,15 +22,18 @@
 #     `--trace-sample-ratio 0.01` (the default, written out; errors, slow requests and
 #     requests above the running P99 are kept as well). The gateway gets both mocks through a
 #     config file: the fast one is the default upstream, the slow one serves models `slow-*`;
+#     A second, identical gateway runs with `--worker-priority $GW_PRIORITY` (nice value of
+#     its runtime threads, like nginx's `worker_priority`; needs CAP_SYS_NICE, e.g. root —
+#     the script checks /proc and says whether it took effect; GW_PRIORITY=0 skips it);
 #  3. `tokenscope bench` at $RATE req/s (constant arrivals, seed 1, the bench's default
 #     prompt mix 80:64-256,20:2048-4096), streamed, $TOKENS output tokens, $DURATION per run:
-#     warm-up (direct, gateway), then $PAIRS interleaved pairs (direct, gateway, direct,
-#     gateway, …). The verdict compares the percentiles of all direct requests pooled with
-#     those of all gateway requests (every request's client-side result is written with
-#     --requests-out): on a shared VM the P50 of identical direct runs drifts by ±0.07 ms
-#     from run to run, so many short interleaved runs expose both sides to the same drift,
-#     where two long runs compare two different moments. The per-pair differences are
-#     printed too;
+#     warm-up (direct, gateway, prioritised gateway), then $PAIRS interleaved rounds (direct,
+#     gateway, prioritised gateway, direct, …). The verdict compares the percentiles of all
+#     direct requests pooled with those of all requests through each gateway (every request's
+#     client-side result is written with --requests-out): on a shared VM the P50 of identical
+#     direct runs drifts by ±0.07 ms from run to run, so many short interleaved runs expose
+#     every side to the same drift, where long runs compare different moments. The per-round
+#     differences are printed too;
 #  4. the gateway's CPU (utime + stime from /proc/PID/stat) over each gateway run → CPU per
 #     request and per SSE event (the mock sends role + $TOKENS tokens + finish + usage +
 #     [DONE] = $TOKENS + 4 events per streamed request);
@@ -40,7 +43,7 @@
 #
 # Environment: CARGO_TARGET_DIR (default $HOME/.cache/tokenscope/target), TOKENSCOPE_CACHE
 # (default $HOME/.cache/tokenscope), RATE (500), DURATION (4s), WARMUP (10s, each side),
-# TOKENS (100), PAIRS (10),
+# TOKENS (100), PAIRS (10, rounds), GW_PRIORITY (-5; 0 = no prioritised gateway),
 # STREAMS (1000), MOCK_TIME_SCALE (0), GW_WORKERS (the gateway's --worker-threads; default:
 # its own default), TOKENSCOPE_BIN (use this binary, no build),
 # KEEP=1 keeps the work directory (bench JSON, logs, spans).
@@ -57,6 +60,7 @@ TOKENS="${TOKENS:-100}"
 PAIRS="${PAIRS:-10}"
 STREAMS="${STREAMS:-1000}"
 MOCK_TIME_SCALE="${MOCK_TIME_SCALE:-0}"
+GW_PRIORITY="${GW_PRIORITY:--5}"
 EVENTS_PER_REQ=$((TOKENS + 4))
 # Targets (issue 7).
 T_TTFT_P50_MS=0.2
@@ -157,29 +161,60 @@ READY="$(wait_line "$WORK/gateway.out" '^tokenscope listening proxy=')"
 PROXY="$(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' <<<"$READY")"
 ADMIN="$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' <<<"$READY")"
 log "mock http://$MOCK, slow mock http://$SLOW, OTLP sink :$OTLP_PORT, gateway http://$PROXY (admin $ADMIN)"
+# The prioritised gateway: same configuration, its own store and spool.
+SIDES="direct gateway"
+PRIO_NOTE=""
+if [ "$GW_PRIORITY" != 0 ]; then
+  TOKENSCOPE_SPOOL__DIR="$WORK/spool-prio" "$BIN" serve "${GW_ARGS[@]}" --worker-priority "$GW_PRIORITY" \
+    --config "$WORK/gateway.toml" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --store "$WORK/ts-prio.db" \
+    --otlp-endpoint "http://127.0.0.1:$OTLP_PORT" --otlp-protocol http --trace-sample-ratio 0.01 \
+    >"$WORK/prio.out" 2>"$WORK/prio.err" &
+  PRIO_PID=$!; PIDS+=("$PRIO_PID")
+  READY="$(wait_line "$WORK/prio.out" '^tokenscope listening proxy=')"
+  PRIO_PROXY="$(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' <<<"$READY")"
+  PRIO_ADMIN="$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' <<<"$READY")"
+  # Did it take effect? The nice value (field 19 of /proc/PID/task/TID/stat) of the runtime
+  # threads; without CAP_SYS_NICE they stay at the inherited value and the gateway warns.
+  NICES="$(for t in /proc/"$PRIO_PID"/task/*; do
+    if [ "$(cat "$t/comm")" = tokio-rt-worker ]; then sed 's/^.*) //' "$t/stat" | awk '{print $17}'; fi
+  done | sort -u | tr '\n' ' ')"
+  if [ "$NICES" = "$GW_PRIORITY " ]; then
+    PRIO_NOTE="runtime threads at nice $GW_PRIORITY (checked in /proc)"
+  else
+    PRIO_NOTE="**not applied** (runtime threads at nice ${NICES:-?}; needs CAP_SYS_NICE)"
+  fi
+  log "prioritised gateway http://$PRIO_PROXY (admin $PRIO_ADMIN): $PRIO_NOTE"
+  SIDES="direct gateway prio"
+fi
 sleep 1
 RSS_IDLE_KB="$(status_kb "$GW_PID" VmRSS)"
 
-metric_sum() { # metric_sum NAME: sum of the samples of NAME (all label sets) on /metrics
-  curl -sf "http://$ADMIN/metrics" | awk -v n="$1" '($1==n || index($1, n"{")==1){s+=$NF} END{printf "%.9f", s+0}'
+metric_sum() { # metric_sum ADMIN NAME: sum of the samples of NAME (all label sets) on /metrics
+  curl -sf "http://$1/metrics" | awk -v n="$2" '($1==n || index($1, n"{")==1){s+=$NF} END{printf "%.9f", s+0}'
 }
 
 # ---- latency runs ----------------------------------------------------------------------------
 BENCH_ARGS=(--rates "$RATE" --duration "$DURATION" --arrival constant --seed 1
   --mix 80:64-256,20:2048-4096 --stream --output-tokens "$TOKENS" --format json)
 
-# run_bench NAME TARGET: one level; writes $WORK/NAME.json and $WORK/NAME.env (CPU etc.).
+# run_bench NAME SIDE: one level against SIDE (direct | gateway | prio); writes
+# $WORK/NAME.json, $WORK/NAME.jsonl (per request) and $WORK/NAME.env (CPU etc.).
 run_bench() {
-  local name=$1 target=$2 g0 m0 t0 oc0 os0 g1 m1 t1 oc1 os1
+  local name=$1 side=$2 target gpid admin g0 m0 t0 oc0 os0 g1 m1 t1 oc1 os1
+  case $side in
+    direct) target=$MOCK; gpid=$GW_PID; admin=$ADMIN;;
+    gateway) target=$PROXY; gpid=$GW_PID; admin=$ADMIN;;
+    prio) target=$PRIO_PROXY; gpid=$PRIO_PID; admin=$PRIO_ADMIN;;
+  esac
   log "bench $name → $target ($RATE req/s, $DURATION)"
-  oc0="$(metric_sum tokenscope_gateway_overhead_seconds_count)"
-  os0="$(metric_sum tokenscope_gateway_overhead_seconds_sum)"
-  g0="$(cpu_ticks "$GW_PID")"; m0="$(cpu_ticks "$MOCK_PID")"; t0="$(now_s)"
+  oc0="$(metric_sum "$admin" tokenscope_gateway_overhead_seconds_count)"
+  os0="$(metric_sum "$admin" tokenscope_gateway_overhead_seconds_sum)"
+  g0="$(cpu_ticks "$gpid")"; m0="$(cpu_ticks "$MOCK_PID")"; t0="$(now_s)"
   "$BIN" bench --target "http://$target" --request-id-prefix "ovh-$name" "${BENCH_ARGS[@]}" \
     --requests-out "$WORK/$name.jsonl" >"$WORK/$name.json" 2>"$WORK/$name.err"
-  t1="$(now_s)"; g1="$(cpu_ticks "$GW_PID")"; m1="$(cpu_ticks "$MOCK_PID")"
-  oc1="$(metric_sum tokenscope_gateway_overhead_seconds_count)"
-  os1="$(metric_sum tokenscope_gateway_overhead_seconds_sum)"
+  t1="$(now_s)"; g1="$(cpu_ticks "$gpid")"; m1="$(cpu_ticks "$MOCK_PID")"
+  oc1="$(metric_sum "$admin" tokenscope_gateway_overhead_seconds_count)"
+  os1="$(metric_sum "$admin" tokenscope_gateway_overhead_seconds_sum)"
   {
     echo "wall=$(calc "$t1 - $t0")"
     echo "gw_ticks=$((g1 - g0))"
@@ -191,12 +226,10 @@ run_bench() {
 }
 
 DURATION_RUN="$DURATION"; DURATION="$WARMUP"; BENCH_ARGS[3]="$WARMUP"
-run_bench warmup-direct "$MOCK"
-run_bench warmup-gateway "$PROXY"
+for side in $SIDES; do run_bench "warmup-$side" "$side"; done
 DURATION="$DURATION_RUN"; BENCH_ARGS[3]="$DURATION"
 for i in $(seq "$PAIRS"); do
-  run_bench "direct$i" "$MOCK"
-  run_bench "gateway$i" "$PROXY"
+  for side in $SIDES; do run_bench "$side$i" "$side"; done
 done
 RSS_AFTER_KB="$(status_kb "$GW_PID" VmRSS)"
 
@@ -210,7 +243,7 @@ log "holding $STREAMS streams open through the gateway ($SRATE req/s for ${SDUR_
 SB_PID=$!; PIDS+=("$SB_PID")
 PEAK_RSS_KB=0; PEAK_RSS_INFLIGHT=0; MAX_INFLIGHT=0; RSS_AT_MAX_KB=0
 while kill -0 "$SB_PID" 2>/dev/null; do
-  inflight="$(metric_sum llm_requests_in_flight)"; inflight="${inflight%.*}"
+  inflight="$(metric_sum "$ADMIN" llm_requests_in_flight)"; inflight="${inflight%.*}"
   rss="$(status_kb "$GW_PID" VmRSS)"
   if [ "$rss" -gt "$PEAK_RSS_KB" ]; then PEAK_RSS_KB=$rss; PEAK_RSS_INFLIGHT=$inflight; fi
   if [ "$inflight" -gt "$MAX_INFLIGHT" ] || { [ "$inflight" -eq "$MAX_INFLIGHT" ] && [ "$rss" -gt "$RSS_AT_MAX_KB" ]; }; then
@@ -232,70 +265,100 @@ REC_LOST="$(mval tokenscope_records_lost_total)"
 SPANS_EXPORTED="$(mval tokenscope_trace_spans_exported_total)"
 SPANS_DROPPED="$(mval tokenscope_trace_spans_dropped_total)"
 SPANS_RECEIVED="$( (wc -l <"$WORK/spans.jsonl") 2>/dev/null || echo 0)"
+if [ -n "$PRIO_NOTE" ]; then
+  curl -sf "http://$PRIO_ADMIN/metrics" >"$WORK/metrics-prio.txt" || true
+  pval() { awk -v n="$1" '($1==n || index($1, n"{")==1){s+=$NF} END{printf "%d", s+0}' "$WORK/metrics-prio.txt"; }
+  PRIO_WRITTEN="$(pval tokenscope_records_written_total)"
+  PRIO_DROPPED="$(pval tokenscope_records_dropped_total)"
+  PRIO_LOST="$(pval tokenscope_records_lost_total)"
+  PRIO_SPANS="$(pval tokenscope_trace_spans_exported_total)"
+  PRIO_SPANS_DROPPED="$(pval tokenscope_trace_spans_dropped_total)"
+fi
+declare -A CPU_US A50 A99
 
 jf() { jq -r ".[0]$2" "$WORK/$1.json"; }
 envv() { awk -F= -v k="$2" '$1==k{print $2}' "$WORK/$1.env"; }
 MIB() { awk -v k="$1" 'BEGIN{printf "%.1f", k/1024}'; }
 yes_no() { if [ "$1" = 1 ]; then echo "**met**"; else echo "**not met**"; fi; }
 
+label() { case $1 in direct) echo "mock";; gateway) echo "gateway → mock";; prio) echo "gateway (worker_priority $GW_PRIORITY) → mock";; esac; }
+GSIDES="${SIDES#direct }"
 {
   echo "Run $(date -u +%Y-%m-%dT%H:%MZ), $(nproc) CPUs ($(awk -F': ' '/^model name/{print $2; exit}' /proc/cpuinfo)), $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+dirty'); load average at the end $(cut -d' ' -f1-3 /proc/loadavg)."
   echo
-  echo "Load: \`tokenscope bench --rates $RATE --duration $DURATION --arrival constant --seed 1 --mix 80:64-256,20:2048-4096 --stream --output-tokens $TOKENS\`, $PAIRS interleaved pairs of runs after one warm-up pair; gateway \`${GW_ARGS[*]:-(default workers)}\`; mock \`--slots 256 --time-scale $MOCK_TIME_SCALE\`; gateway: SQLite store, metrics, OTLP/HTTP tracing at ratio 0.01 to a local sink. Latencies are client-side, ms."
+  echo "Load: \`tokenscope bench --rates $RATE --duration $DURATION --arrival constant --seed 1 --mix 80:64-256,20:2048-4096 --stream --output-tokens $TOKENS\`, $PAIRS interleaved rounds ($SIDES) after one warm-up round; gateway \`${GW_ARGS[*]:-(default workers)}\`$( [ -n "$PRIO_NOTE" ] && echo "; prioritised gateway: the same with \`--worker-priority $GW_PRIORITY\`, $PRIO_NOTE"); mock \`--slots 256 --time-scale $MOCK_TIME_SCALE\`; gateways: SQLite store, metrics, OTLP/HTTP tracing at ratio 0.01 to a local sink. Latencies are client-side, ms."
   echo
   echo "| run | target | ok / failed / dropped | achieved req/s | TTFT P50 | TTFT P99 | e2e P50 | e2e P99 | gateway CPU (cores) | mock CPU (cores) |"
   echo "|---|---|---|---|---|---|---|---|---|---|"
-  for name in warmup-direct warmup-gateway $(for i in $(seq "$PAIRS"); do echo "direct$i gateway$i"; done); do
-    case $name in *direct*) tgt="mock";; *) tgt="gateway → mock";; esac
+  for name in $(for x in $SIDES; do echo "warmup-$x"; done) $(for i in $(seq "$PAIRS"); do for x in $SIDES; do echo "$x$i"; done; done); do
+    side="${name#warmup-}"; side="${side%%[0-9]*}"
     wall="$(envv "$name" wall)"
-    echo "| $name | $tgt | $(jf "$name" .ok) / $(jf "$name" .failed) / $(jf "$name" .dropped) | $(f2 "$(jf "$name" .achieved_qps)") | $(f3 "$(jf "$name" .ttft_ms.p50)") | $(f3 "$(jf "$name" .ttft_ms.p99)") | $(f3 "$(jf "$name" .e2e_ms.p50)") | $(f3 "$(jf "$name" .e2e_ms.p99)") | $(f2 "$(calc "$(envv "$name" gw_ticks) / $CLK_TCK / $wall")") | $(f2 "$(calc "$(envv "$name" mock_ticks) / $CLK_TCK / $wall")") |"
+    gcpu="$(f2 "$(calc "$(envv "$name" gw_ticks) / $CLK_TCK / $wall")")"
+    [ "$side" = direct ] && gcpu="–"
+    echo "| $name | $(label "$side") | $(jf "$name" .ok) / $(jf "$name" .failed) / $(jf "$name" .dropped) | $(f2 "$(jf "$name" .achieved_qps)") | $(f3 "$(jf "$name" .ttft_ms.p50)") | $(f3 "$(jf "$name" .ttft_ms.p99)") | $(f3 "$(jf "$name" .e2e_ms.p50)") | $(f3 "$(jf "$name" .e2e_ms.p99)") | $gcpu | $(f2 "$(calc "$(envv "$name" mock_ticks) / $CLK_TCK / $wall")") |"
+  done
+  for g in $GSIDES; do
+    echo
+    echo "$(label "$g"), per round:"
+    echo
+    echo "| round | added TTFT P50 | added TTFT P99 | added e2e P50 | added e2e P99 | gateway CPU per request | per SSE event ($EVENTS_PER_REQ per request) | \`tokenscope_gateway_overhead\` mean |"
+    echo "|---|---|---|---|---|---|---|---|"
+    for i in $(seq "$PAIRS"); do
+      d="direct$i"; r="$g$i"
+      a50="$(calc "$(jf "$r" .ttft_ms.p50) - $(jf "$d" .ttft_ms.p50)")"
+      a99="$(calc "$(jf "$r" .ttft_ms.p99) - $(jf "$d" .ttft_ms.p99)")"
+      e50="$(calc "$(jf "$r" .e2e_ms.p50) - $(jf "$d" .e2e_ms.p50)")"
+      e99="$(calc "$(jf "$r" .e2e_ms.p99) - $(jf "$d" .e2e_ms.p99)")"
+      okg="$(jf "$r" .ok)"
+      cpu_req_us="$(calc "$(envv "$r" gw_ticks) / $CLK_TCK / $okg * 1e6")"
+      cpu_ev_us="$(calc "$cpu_req_us / $EVENTS_PER_REQ")"
+      ovh_us="$(calc "$(envv "$r" ovh_s) / ($(envv "$r" ovh_n) + 1e-9) * 1e6")"
+      echo "| $i | $(f3 "$a50") ms | $(f3 "$a99") ms | $(f3 "$e50") ms | $(f3 "$e99") ms | $(awk -v x="$cpu_req_us" 'BEGIN{printf "%.0f", x}') µs | $(f2 "$cpu_ev_us") µs | $(awk -v x="$ovh_us" 'BEGIN{printf "%.1f", x}') µs |"
+    done
   done
   echo
-  echo "| pair | added TTFT P50 | added TTFT P99 | added e2e P50 | added e2e P99 | gateway CPU per request | per SSE event ($EVENTS_PER_REQ per request) | \`tokenscope_gateway_overhead\` mean |"
-  echo "|---|---|---|---|---|---|---|---|"
-  for i in $(seq "$PAIRS"); do
-    d="direct$i"; g="gateway$i"
-    a50="$(calc "$(jf "$g" .ttft_ms.p50) - $(jf "$d" .ttft_ms.p50)")"
-    a99="$(calc "$(jf "$g" .ttft_ms.p99) - $(jf "$d" .ttft_ms.p99)")"
-    e50="$(calc "$(jf "$g" .e2e_ms.p50) - $(jf "$d" .e2e_ms.p50)")"
-    e99="$(calc "$(jf "$g" .e2e_ms.p99) - $(jf "$d" .e2e_ms.p99)")"
-    okg="$(jf "$g" .ok)"
-    cpu_req_us="$(calc "$(envv "$g" gw_ticks) / $CLK_TCK / $okg * 1e6")"
-    cpu_ev_us="$(calc "$cpu_req_us / $EVENTS_PER_REQ")"
-    ovh_us="$(calc "$(envv "$g" ovh_s) / ($(envv "$g" ovh_n) + 1e-9) * 1e6")"
-    echo "| $i | $(f3 "$a50") ms | $(f3 "$a99") ms | $(f3 "$e50") ms | $(f3 "$e99") ms | $(awk -v x="$cpu_req_us" 'BEGIN{printf "%.0f", x}') µs | $(f2 "$cpu_ev_us") µs | $(awk -v x="$ovh_us" 'BEGIN{printf "%.1f", x}') µs |"
-  done
-  echo
-  # Pooled: every ok request of the direct runs vs every ok request of the gateway runs.
-  pool() { # pool KIND FIELD P: nearest-rank percentile P of FIELD over the KIND runs
+  # Pooled: every ok request of the direct runs vs every ok request of each gateway's runs.
+  pool() { # pool SIDE FIELD P: nearest-rank percentile P of FIELD over the SIDE runs
     for i in $(seq "$PAIRS"); do cat "$WORK/$1$i.jsonl"; done |
       jq -s --arg f "$2" --argjson p "$3" '[.[] | select(.ok) | .[$f] | select(. != null)] | sort |
         .[((length * $p) | ceil) - 1]'
   }
-  D50="$(pool direct ttft_ms 0.5)"; G50="$(pool gateway ttft_ms 0.5)"
-  D99="$(pool direct ttft_ms 0.99)"; G99="$(pool gateway ttft_ms 0.99)"
-  DE50="$(pool direct e2e_ms 0.5)"; GE50="$(pool gateway e2e_ms 0.5)"
-  DE99="$(pool direct e2e_ms 0.99)"; GE99="$(pool gateway e2e_ms 0.99)"
+  declare -A P
+  for x in $SIDES; do
+    for f in ttft_ms e2e_ms; do for q in 50 99; do P[$x.$f.$q]="$(pool "$x" "$f" "0.$q")"; done; done
+  done
   NREQ="$(for i in $(seq "$PAIRS"); do cat "$WORK/gateway$i.jsonl"; done | jq -s '[.[] | select(.ok)] | length')"
-  A50="$(calc "$G50 - $D50")"; A99="$(calc "$G99 - $D99")"
-  OK50=0; awk -v x="$A50" -v t="$T_TTFT_P50_MS" 'BEGIN{exit !(x <= t)}' && OK50=1
-  OK99=0; awk -v x="$A99" -v t="$T_TTFT_P99_MS" 'BEGIN{exit !(x <= t)}' && OK99=1
-  echo "Pooled over the $PAIRS pairs ($NREQ ok requests per side), client-side, ms:"
+  echo "Pooled over the $PAIRS rounds (~$NREQ ok requests per side), client-side, ms:"
   echo
-  echo "| | TTFT P50 | TTFT P99 | e2e P50 | e2e P99 |"
-  echo "|---|---|---|---|---|"
-  echo "| direct | $(f3 "$D50") | $(f3 "$D99") | $(f3 "$DE50") | $(f3 "$DE99") |"
-  echo "| gateway | $(f3 "$G50") | $(f3 "$G99") | $(f3 "$GE50") | $(f3 "$GE99") |"
-  echo "| **added** | **$(f3 "$A50")** | **$(f3 "$A99")** | $(f3 "$(calc "$GE50 - $DE50")") | $(f3 "$(calc "$GE99 - $DE99")") |"
+  echo "| | TTFT P50 | TTFT P99 | e2e P50 | e2e P99 | gateway CPU per request |"
+  echo "|---|---|---|---|---|---|"
+  echo "| direct | $(f3 "${P[direct.ttft_ms.50]}") | $(f3 "${P[direct.ttft_ms.99]}") | $(f3 "${P[direct.e2e_ms.50]}") | $(f3 "${P[direct.e2e_ms.99]}") | |"
+  for g in $GSIDES; do
+    ticks=0; okn=0
+    for i in $(seq "$PAIRS"); do ticks=$((ticks + $(envv "$g$i" gw_ticks))); okn=$((okn + $(jf "$g$i" .ok))); done
+    CPU_US[$g]="$(awk -v t="$ticks" -v c="$CLK_TCK" -v n="$okn" 'BEGIN{printf "%.0f", t / c / n * 1e6}')"
+    echo "| $(label "$g") | $(f3 "${P[$g.ttft_ms.50]}") | $(f3 "${P[$g.ttft_ms.99]}") | $(f3 "${P[$g.e2e_ms.50]}") | $(f3 "${P[$g.e2e_ms.99]}") | ${CPU_US[$g]} µs |"
+  done
+  for g in $GSIDES; do
+    A50[$g]="$(calc "${P[$g.ttft_ms.50]} - ${P[direct.ttft_ms.50]}")"
+    A99[$g]="$(calc "${P[$g.ttft_ms.99]} - ${P[direct.ttft_ms.99]}")"
+    echo "| **added**, $(label "$g" | sed 's/ → mock//') | **$(f3 "${A50[$g]}")** | **$(f3 "${A99[$g]}")** | $(f3 "$(calc "${P[$g.e2e_ms.50]} - ${P[direct.e2e_ms.50]}")") | $(f3 "$(calc "${P[$g.e2e_ms.99]} - ${P[direct.e2e_ms.99]}")") | |"
+  done
   echo
   OKRSS=0; [ $((PEAK_RSS_KB * 1024)) -le "$T_RSS_BYTES" ] && OKRSS=1
-  echo "| target (issue 7) | measured | verdict |"
-  echo "|---|---|---|"
-  echo "| added TTFT P50 ≤ $T_TTFT_P50_MS ms at $RATE streaming req/s, $TOKENS-token outputs | $(f3 "$A50") ms (pooled; per pair above) | $(yes_no "$OK50") |"
-  echo "| added TTFT P99 ≤ $T_TTFT_P99_MS ms | $(f3 "$A99") ms (pooled; per pair above) | $(yes_no "$OK99") |"
-  echo "| gateway RSS ≤ 64 MB at $STREAMS concurrent streams | peak $(MIB "$PEAK_RSS_KB") MiB ($(calc "int($PEAK_RSS_KB * 1024 / 1e6 + 0.5)") MB) with $PEAK_RSS_INFLIGHT in flight; $(MIB "$RSS_AT_MAX_KB") MiB at the highest in-flight count sampled, $MAX_INFLIGHT ($(MIB $((RSS_AT_MAX_KB - RSS_AFTER_KB))) MiB above the RSS before the run) | $(yes_no "$OKRSS") |"
+  echo "| target (issue 7) | configuration | measured | verdict |"
+  echo "|---|---|---|---|"
+  for g in $GSIDES; do
+    ok=0; awk -v x="${A50[$g]}" -v t="$T_TTFT_P50_MS" 'BEGIN{exit !(x <= t)}' && ok=1
+    echo "| added TTFT P50 ≤ $T_TTFT_P50_MS ms at $RATE streaming req/s, $TOKENS-token outputs | $(label "$g" | sed 's/ → mock//') | $(f3 "${A50[$g]}") ms (pooled) | $(yes_no "$ok") |"
+  done
+  for g in $GSIDES; do
+    ok=0; awk -v x="${A99[$g]}" -v t="$T_TTFT_P99_MS" 'BEGIN{exit !(x <= t)}' && ok=1
+    echo "| added TTFT P99 ≤ $T_TTFT_P99_MS ms | $(label "$g" | sed 's/ → mock//') | $(f3 "${A99[$g]}") ms (pooled) | $(yes_no "$ok") |"
+  done
+  echo "| gateway RSS ≤ 64 MB at $STREAMS concurrent streams | gateway | peak $(MIB "$PEAK_RSS_KB") MiB ($(calc "int($PEAK_RSS_KB * 1024 / 1e6 + 0.5)") MB) with $PEAK_RSS_INFLIGHT in flight; $(MIB "$RSS_AT_MAX_KB") MiB at the highest in-flight count sampled, $MAX_INFLIGHT ($(MIB $((RSS_AT_MAX_KB - RSS_AFTER_KB))) MiB above the RSS before the run) | $(yes_no "$OKRSS") |"
   echo
-  echo "Gateway RSS: $(MIB "$RSS_IDLE_KB") MiB idle after start, $(MIB "$RSS_AFTER_KB") MiB after the $RATE req/s runs, peak $(MIB "$PEAK_RSS_KB") MiB during the $STREAMS-stream run (VmHWM over the whole process life $(MIB "$HWM_KB") MiB). Streams run: $(jf streams .ok) ok / $(jf streams .failed) failed / $(jf streams .dropped) dropped. Store: $REC_WRITTEN records written, $REC_DROPPED dropped, $REC_LOST lost. Traces: $SPANS_EXPORTED spans exported ($SPANS_DROPPED dropped), $SPANS_RECEIVED received by the sink."
+  echo "Gateway RSS: $(MIB "$RSS_IDLE_KB") MiB idle after start, $(MIB "$RSS_AFTER_KB") MiB after the $RATE req/s runs, peak $(MIB "$PEAK_RSS_KB") MiB during the $STREAMS-stream run (VmHWM over the whole process life $(MIB "$HWM_KB") MiB). Streams run: $(jf streams .ok) ok / $(jf streams .failed) failed / $(jf streams .dropped) dropped. Store: $REC_WRITTEN records written, $REC_DROPPED dropped, $REC_LOST lost. Traces: $SPANS_EXPORTED spans exported ($SPANS_DROPPED dropped), $( [ -n "$PRIO_NOTE" ] && echo "prioritised gateway: $PRIO_SPANS exported ($PRIO_SPANS_DROPPED dropped); both gateways' spans ")$SPANS_RECEIVED received by the sink.$( [ -n "$PRIO_NOTE" ] && echo " Prioritised gateway's store: $PRIO_WRITTEN records written, $PRIO_DROPPED dropped, $PRIO_LOST lost.")"
 } >"$WORK/table.md"
 
 mkdir -p "$(dirname "$OUT")"

@@ -11,6 +11,7 @@
 # Environment:
 #   CARGO_TARGET_DIR   build cache (default: $HOME/.cache/tokenscope/target, outside the clone)
 #   TOKENSCOPE_CACHE   engine/model cache (default: $HOME/.cache/tokenscope)
+#   CI                 set (any value): CARGO_INCREMENTAL=0 unless given
 #   SKIP_INSTALL=1     do not install anything (tests needing a missing part then skip,
 #                      unless TOKENSCOPE_REQUIRE_ENGINE / _PROMTOOL / _PROMETHEUS / _CLICKHOUSE /
 #                      _BROWSER are 1)
@@ -20,6 +21,9 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tokenscope/target}"
 export TOKENSCOPE_CACHE="${TOKENSCOPE_CACHE:-$HOME/.cache/tokenscope}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+# CI: no incremental artifacts — they only help repeated local edits, and in a cache kept
+# between runs they grow without bound (37 GB here after a few weeks of local work).
+if [ -n "${CI:-}" ]; then export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"; fi
 mkdir -p "$TOKENSCOPE_CACHE"
 step() { printf '\n==> %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
 

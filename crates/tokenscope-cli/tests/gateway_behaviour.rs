@@ -995,3 +995,77 @@ async fn worker_priority_sets_the_runtime_threads_nice_value() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("-20 ..= 19"), "{err}");
 }
+
+/// A negative `--worker-priority` without the right to use it (no `CAP_SYS_NICE`, no
+/// `RLIMIT_NICE`): one warning, the threads keep the inherited priority, requests are served.
+/// As root the capability is dropped from the bounding set with util-linux's `setpriv`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_priority_without_the_capability_warns_once_and_serves() {
+    let mock = MockProc::start(&[]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let is_root = std::fs::read_to_string("/proc/self/status")
+        .expect("status")
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().nth(1).map(|euid| euid == "0"))
+        .expect("Uid line");
+    let bin = env!("CARGO_BIN_EXE_tokenscope");
+    let mut cmd = if is_root {
+        let mut c = std::process::Command::new("setpriv");
+        c.args(["--bounding-set", "-sys_nice", "--", bin]);
+        c
+    } else {
+        std::process::Command::new(bin)
+    };
+    let err_path = dir.path().join("stderr.log");
+    let mut child = cmd
+        .args(["serve", "--upstream", &mock.url(), "--worker-threads", "2"])
+        .args(["--worker-priority", "-5"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .arg("--store")
+        .arg(dir.path().join("ts.db"))
+        .env("TOKENSCOPE_SPOOL__DIR", dir.path().join("spool"))
+        .env("TOKENSCOPE_LOG", "warn")
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::fs::File::create(&err_path).expect("stderr file"))
+        .spawn()
+        .expect("spawn (setpriv is util-linux's)");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().expect("stdout")),
+        &mut line,
+    )
+    .expect("ready line");
+    let proxy = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("proxy="))
+        .unwrap_or_else(|| panic!("no proxy= in {line:?}"))
+        .to_string();
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 2, "stream": true});
+    let s = stream(
+        &format!("http://{proxy}/v1/chat/completions"),
+        &body,
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(s.status, 200);
+    assert_eq!(s.output_events().len(), 2);
+    let pid = child.id();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).expect("task dir") {
+        let stat = std::fs::read_to_string(t.expect("entry").path().join("stat")).expect("stat");
+        let close = stat.rfind(')').expect(")");
+        let nice = stat[close + 2..].split_whitespace().nth(16).expect("nice");
+        assert_eq!(nice, "0", "{stat}");
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let err = std::fs::read_to_string(&err_path).expect("stderr");
+    let warnings = err
+        .lines()
+        .filter(|l| l.contains("could not set the runtime threads' priority"))
+        .count();
+    assert_eq!(warnings, 1, "{err}");
+}

@@ -258,21 +258,21 @@ HWM_KB="$(status_kb "$GW_PID" VmHWM)"
 # ---- results ---------------------------------------------------------------------------------
 sleep 2
 curl -sf "http://$ADMIN/metrics" >"$WORK/metrics.txt" || true
-mval() { awk -v n="$1" '($1==n || index($1, n"{")==1){s+=$NF} END{printf "%d", s+0}' "$WORK/metrics.txt"; }
-REC_WRITTEN="$(mval tokenscope_records_written_total)"
-REC_DROPPED="$(mval tokenscope_records_dropped_total)"
-REC_LOST="$(mval tokenscope_records_lost_total)"
-SPANS_EXPORTED="$(mval tokenscope_trace_spans_exported_total)"
-SPANS_DROPPED="$(mval tokenscope_trace_spans_dropped_total)"
+# mval FILE NAME: the sum of NAME's samples (all label sets) in a saved /metrics page.
+mval() { awk -v n="$2" '($1==n || index($1, n"{")==1){s+=$NF} END{printf "%d", s+0}' "$WORK/$1"; }
+REC_WRITTEN="$(mval metrics.txt tokenscope_records_written_total)"
+REC_DROPPED="$(mval metrics.txt tokenscope_records_dropped_total)"
+REC_LOST="$(mval metrics.txt tokenscope_records_lost_total)"
+SPANS_EXPORTED="$(mval metrics.txt tokenscope_trace_spans_exported_total)"
+SPANS_DROPPED="$(mval metrics.txt tokenscope_trace_spans_dropped_total)"
 SPANS_RECEIVED="$( (wc -l <"$WORK/spans.jsonl") 2>/dev/null || echo 0)"
 if [ -n "$PRIO_NOTE" ]; then
   curl -sf "http://$PRIO_ADMIN/metrics" >"$WORK/metrics-prio.txt" || true
-  pval() { awk -v n="$1" '($1==n || index($1, n"{")==1){s+=$NF} END{printf "%d", s+0}' "$WORK/metrics-prio.txt"; }
-  PRIO_WRITTEN="$(pval tokenscope_records_written_total)"
-  PRIO_DROPPED="$(pval tokenscope_records_dropped_total)"
-  PRIO_LOST="$(pval tokenscope_records_lost_total)"
-  PRIO_SPANS="$(pval tokenscope_trace_spans_exported_total)"
-  PRIO_SPANS_DROPPED="$(pval tokenscope_trace_spans_dropped_total)"
+  PRIO_WRITTEN="$(mval metrics-prio.txt tokenscope_records_written_total)"
+  PRIO_DROPPED="$(mval metrics-prio.txt tokenscope_records_dropped_total)"
+  PRIO_LOST="$(mval metrics-prio.txt tokenscope_records_lost_total)"
+  PRIO_SPANS="$(mval metrics-prio.txt tokenscope_trace_spans_exported_total)"
+  PRIO_SPANS_DROPPED="$(mval metrics-prio.txt tokenscope_trace_spans_dropped_total)"
 fi
 declare -A CPU_US A50 A99
 

@@ -928,6 +928,25 @@ async fn embeddings_are_measured() {
     assert_eq!(rec["outcome"], "ok");
 }
 
+/// (name, nice value) of every thread of process `pid`: `/proc/PID/task/TID/stat`, where the
+/// nice value is field 19 (the name, field 2, is in parentheses and may contain spaces).
+fn thread_nice_values(pid: u32) -> Vec<(String, i32)> {
+    let mut threads = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).expect("task dir") {
+        let stat = std::fs::read_to_string(t.expect("entry").path().join("stat")).expect("stat");
+        let open = stat.find('(').expect("(");
+        let close = stat.rfind(')').expect(")");
+        let nice: i32 = stat[close + 2..]
+            .split_whitespace()
+            .nth(16)
+            .expect("nice field")
+            .parse()
+            .expect("nice");
+        threads.push((stat[open + 1..close].to_string(), nice));
+    }
+    threads
+}
+
 /// `--worker-priority N` (nginx's `worker_priority`): every runtime thread (they run the
 /// listeners and all requests) gets nice value N; the store's own threads, the exporters and the
 /// main thread keep the inherited priority. A
@@ -947,22 +966,7 @@ async fn worker_priority_sets_the_runtime_threads_nice_value() {
     assert_eq!(s.status, 200);
     assert_eq!(gw.record(&s.request_id()).await["output_tokens"], 3);
 
-    // (comm, nice) of every thread: /proc/PID/task/TID/stat, nice is field 19.
-    let pid = gw.child.id();
-    let mut threads = Vec::new();
-    for t in std::fs::read_dir(format!("/proc/{pid}/task")).expect("task dir") {
-        let stat = std::fs::read_to_string(t.expect("entry").path().join("stat")).expect("stat");
-        let open = stat.find('(').expect("(");
-        let close = stat.rfind(')').expect(")");
-        let comm = stat[open + 1..close].to_string();
-        let nice: i32 = stat[close + 2..]
-            .split_whitespace()
-            .nth(16)
-            .expect("nice field")
-            .parse()
-            .expect("nice");
-        threads.push((comm, nice));
-    }
+    let threads = thread_nice_values(gw.child.id());
     let workers: Vec<_> = threads
         .iter()
         .filter(|(c, _)| c == "tokio-rt-worker")
@@ -1053,13 +1057,8 @@ async fn worker_priority_without_the_capability_warns_once_and_serves() {
     .await;
     assert_eq!(s.status, 200);
     assert_eq!(s.output_events().len(), 2);
-    let pid = child.id();
-    for t in std::fs::read_dir(format!("/proc/{pid}/task")).expect("task dir") {
-        let stat = std::fs::read_to_string(t.expect("entry").path().join("stat")).expect("stat");
-        let close = stat.rfind(')').expect(")");
-        let nice = stat[close + 2..].split_whitespace().nth(16).expect("nice");
-        assert_eq!(nice, "0", "{stat}");
-    }
+    let threads = thread_nice_values(child.id());
+    assert!(threads.iter().all(|(_, n)| *n == 0), "{threads:?}");
     let _ = child.kill();
     let _ = child.wait();
     let err = std::fs::read_to_string(&err_path).expect("stderr");

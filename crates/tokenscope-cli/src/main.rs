@@ -428,7 +428,7 @@ fn main() -> Result<()> {
         if nice != 0 {
             // Every runtime thread: they run the listeners and all requests. The main thread
             // (it only awaits the shutdown signal) and the threads it starts (store writer,
-            // spool) keep the inherited priority.
+            // spool I/O) keep the inherited priority.
             builder.on_thread_start(move || set_thread_nice(nice));
         }
     }

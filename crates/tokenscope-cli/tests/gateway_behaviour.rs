@@ -948,8 +948,8 @@ fn thread_nice_values(pid: u32) -> Vec<(String, i32)> {
 }
 
 /// `--worker-priority N` (nginx's `worker_priority`): every runtime thread (they run the
-/// listeners and all requests) gets nice value N; the store's own threads, the exporters and the
-/// main thread keep the inherited priority. A
+/// listeners, all requests and the background tasks) gets nice value N; the store's batcher
+/// and writer threads and the main thread keep the inherited priority. A
 /// positive value needs no privilege, so the test runs anywhere. Out of range = start-up error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_priority_sets_the_runtime_threads_nice_value() {

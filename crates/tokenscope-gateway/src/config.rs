@@ -396,8 +396,9 @@ pub struct GatewayConfig {
     /// Nice value of the runtime's threads (the request path), like nginx's `worker_priority`:
     /// -20 (most favoured) ..= 19; 0 = unchanged. A negative value needs `CAP_SYS_NICE` or a
     /// matching `RLIMIT_NICE` (systemd `Nice=` / `LimitNICE=`); without it the gateway warns
-    /// once and runs at the inherited priority. The store writer, the exporters and the spool
-    /// keep the inherited priority. On a host where the gateway shares few cores with busy
+    /// once and runs at the inherited priority. The store's batcher and writer threads (the
+    /// store and spool I/O) keep the inherited priority; the background tasks on the runtime
+    /// (OTLP export, engine-state scrapes, alerts) share the workers'. On a host where the gateway shares few cores with busy
     /// processes (the engine's CPU side, a load generator), a woken worker otherwise waits for
     /// the CPU behind them: docs/benchmarks.md, "Worker priority".
     pub worker_priority: i32,

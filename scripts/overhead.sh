@@ -152,27 +152,30 @@ models = ["slow-*"]
 EOF
 GW_ARGS=()
 [ -n "${GW_WORKERS:-}" ] && GW_ARGS+=(--worker-threads "$GW_WORKERS")
-TOKENSCOPE_SPOOL__DIR="$WORK/spool" "$BIN" serve "${GW_ARGS[@]}" --config "$WORK/gateway.toml" \
-  --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --store "$WORK/ts.db" \
-  --otlp-endpoint "http://127.0.0.1:$OTLP_PORT" --otlp-protocol http --trace-sample-ratio 0.01 \
-  >"$WORK/gateway.out" 2>"$WORK/gateway.err" &
-GW_PID=$!; PIDS+=("$GW_PID")
-READY="$(wait_line "$WORK/gateway.out" '^tokenscope listening proxy=')"
-PROXY="$(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' <<<"$READY")"
-ADMIN="$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' <<<"$READY")"
+# start_gateway TAG [ARGS…]: `tokenscope serve` with the shared config and every layer on (its
+# own store, spool and logs); sets ${TAG}_PID, ${TAG}_PROXY and ${TAG}_ADMIN.
+start_gateway() {
+  local tag=$1 pid ready
+  shift
+  TOKENSCOPE_SPOOL__DIR="$WORK/spool-$tag" "$BIN" serve "${GW_ARGS[@]}" "$@" \
+    --config "$WORK/gateway.toml" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+    --store "$WORK/ts-$tag.db" \
+    --otlp-endpoint "http://127.0.0.1:$OTLP_PORT" --otlp-protocol http --trace-sample-ratio 0.01 \
+    >"$WORK/$tag.out" 2>"$WORK/$tag.err" &
+  pid=$!; PIDS+=("$pid")
+  ready="$(wait_line "$WORK/$tag.out" '^tokenscope listening proxy=')"
+  printf -v "${tag}_PID" '%s' "$pid"
+  printf -v "${tag}_PROXY" '%s' "$(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' <<<"$ready")"
+  printf -v "${tag}_ADMIN" '%s' "$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' <<<"$ready")"
+}
+start_gateway GW
+PROXY=$GW_PROXY; ADMIN=$GW_ADMIN
 log "mock http://$MOCK, slow mock http://$SLOW, OTLP sink :$OTLP_PORT, gateway http://$PROXY (admin $ADMIN)"
-# The prioritised gateway: same configuration, its own store and spool.
+# The prioritised gateway: the same, with --worker-priority.
 SIDES="direct gateway"
 PRIO_NOTE=""
 if [ "$GW_PRIORITY" != 0 ]; then
-  TOKENSCOPE_SPOOL__DIR="$WORK/spool-prio" "$BIN" serve "${GW_ARGS[@]}" --worker-priority "$GW_PRIORITY" \
-    --config "$WORK/gateway.toml" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --store "$WORK/ts-prio.db" \
-    --otlp-endpoint "http://127.0.0.1:$OTLP_PORT" --otlp-protocol http --trace-sample-ratio 0.01 \
-    >"$WORK/prio.out" 2>"$WORK/prio.err" &
-  PRIO_PID=$!; PIDS+=("$PRIO_PID")
-  READY="$(wait_line "$WORK/prio.out" '^tokenscope listening proxy=')"
-  PRIO_PROXY="$(sed -n 's/.*proxy=\([^ ]*\).*/\1/p' <<<"$READY")"
-  PRIO_ADMIN="$(sed -n 's/.*admin=\([^ ]*\).*/\1/p' <<<"$READY")"
+  start_gateway PRIO --worker-priority "$GW_PRIORITY"
   # Did it take effect? The nice value (field 19 of /proc/PID/task/TID/stat) of the runtime
   # threads; without CAP_SYS_NICE they stay at the inherited value and the gateway warns.
   NICES="$(for t in /proc/"$PRIO_PID"/task/*; do

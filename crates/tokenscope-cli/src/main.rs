@@ -415,16 +415,18 @@ fn main() -> Result<()> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();
     if let Cmd::Serve(a) = &cli.cmd {
-        let cfg = GatewayConfig::load(a.config.as_deref())?;
+        let mut cfg = GatewayConfig::load(a.config.as_deref())?;
         let workers = match a.worker_threads {
             Some(n) if n > 0 => n,
             _ => cfg.runtime_workers(),
         };
         builder.worker_threads(workers);
-        let nice = a.worker_priority.unwrap_or(cfg.worker_priority);
-        if !(-20..=19).contains(&nice) {
-            anyhow::bail!("--worker-priority {nice}: must be a nice value, -20 ..= 19");
+        if let Some(p) = a.worker_priority {
+            // The flag goes through the config's own range check.
+            cfg.worker_priority = p;
+            cfg.validate().context("--worker-priority")?;
         }
+        let nice = cfg.worker_priority;
         if nice != 0 {
             // Every runtime thread: they run the listeners and all requests. The main thread
             // (it only awaits the shutdown signal) and the threads it starts (store writer,

@@ -398,9 +398,10 @@ pub struct GatewayConfig {
     /// matching `RLIMIT_NICE` (systemd `Nice=` / `LimitNICE=`); without it the gateway warns
     /// once and runs at the inherited priority. The store's batcher and writer threads (the
     /// store and spool I/O) keep the inherited priority; the background tasks on the runtime
-    /// (OTLP export, engine-state scrapes, alerts) share the workers'. On a host where the gateway shares few cores with busy
-    /// processes (the engine's CPU side, a load generator), a woken worker otherwise waits for
-    /// the CPU behind them: docs/benchmarks.md, "Worker priority".
+    /// (OTLP export, engine-state scrapes, alerts) share the workers'. On a host where the
+    /// gateway shares few cores with busy processes (the engine's CPU side, a load generator),
+    /// a woken worker otherwise waits for the CPU behind them: docs/benchmarks.md, "Fourth
+    /// run".
     pub worker_priority: i32,
     /// Prometheus label options.
     pub metrics: MetricsSection,

@@ -20,9 +20,12 @@
 //!   lies above anything seen).
 //!
 //! **Load-test mode** ([`capacity_from_bench`]): the levels of a load test ([`BenchLevel`],
-//! JSON documented in `docs/analysis.md`) are sorted by achieved QPS and judged the same way
-//! (a level also breaches when its error rate exceeds 1 %, or, without a request count, when
-//! it has any error).
+//! JSON documented in `docs/analysis.md`) are ordered by offered rate — the load test's own
+//! variable, as `tokenscope bench` orders them to mark its knee — and judged the same way (a
+//! level also breaches when its error rate exceeds 1 %, or, without a request count, when it
+//! has any error). A band's QPS is the level's achieved QPS. Past the limit every level
+//! achieves about the ceiling, in no reliable order, so ordering by achieved QPS would let a
+//! higher offered rate that happened to complete a little less become the "knee".
 //!
 //! **Growth** ([`Growth`], `10%/month` = 30 days, `/week`, `/day`): compound growth from the
 //! current peak (the highest bucket QPS in history mode; `current_qps` in load-test mode):
@@ -32,7 +35,9 @@
 //! ## Invariants
 //!
 //! * Pure and deterministic; O(n log n).
-//! * `sustainable_qps < knee_qps` whenever both exist.
+//! * `sustainable_qps < knee_qps` whenever both exist (history mode; in load-test mode the
+//!   knee level is the lowest *offered* rate that breaches, and an engine that collapses can
+//!   complete fewer requests there than at the sustainable level).
 
 use crate::diagnose::{percentile, r4};
 use crate::{table, AnalysisError, Report, Window};
@@ -362,7 +367,11 @@ pub fn capacity_from_bench(
     now_us: i64,
 ) -> CapacityReport {
     let mut lv: Vec<&BenchLevel> = levels.iter().collect();
-    lv.sort_by(|a, b| a.achieved_qps.total_cmp(&b.achieved_qps));
+    lv.sort_by(|a, b| {
+        a.rate
+            .total_cmp(&b.rate)
+            .then(a.achieved_qps.total_cmp(&b.achieved_qps))
+    });
     let bands = lv
         .iter()
         .map(|l| {
@@ -550,6 +559,37 @@ mod tests {
         let r2 = capacity_from_bench(&levels, &o2, 0);
         assert_eq!(r2.knee_qps, Some(20.0));
         assert_eq!(r2.sustainable_qps, Some(10.0));
+    }
+
+    /// Past the limit two levels both achieve about the ceiling, the higher offered rate a
+    /// little less (as seen in a CI run: offered 30 → 22.61/s, offered 40 → 22.07/s): the knee
+    /// is the lower offered rate's level, as `tokenscope bench` marks it.
+    #[test]
+    fn bench_knee_follows_the_offered_rate() {
+        let level = |rate: f64, achieved_qps: f64, ttft_p99_ms: f64| BenchLevel {
+            rate,
+            achieved_qps,
+            ttft_p99_ms,
+            tpot_p99_ms: None,
+            errors: 0,
+            requests: Some((rate * 2.0) as u64),
+        };
+        // Given in a scrambled order on purpose.
+        let levels = vec![
+            level(40.0, 22.07, 900.0),
+            level(12.0, 12.0, 40.0),
+            level(30.0, 22.61, 700.0),
+            level(18.0, 18.0, 60.0),
+        ];
+        let o = CapacityOptions {
+            slo_ttft_p99_ms: 250.0,
+            ..CapacityOptions::default()
+        };
+        let r = capacity_from_bench(&levels, &o, 0);
+        assert_eq!(r.knee_qps, Some(22.61));
+        assert_eq!(r.sustainable_qps, Some(18.0));
+        let qps: Vec<f64> = r.bands.iter().map(|b| b.qps).collect();
+        assert_eq!(qps, vec![12.0, 18.0, 22.61, 22.07]);
     }
 
     /// `cargo test --release -p tokenscope-analysis million -- --ignored --nocapture`

@@ -10,6 +10,8 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod exhaustion;
 #[path = "../llama/mod.rs"]
 #[allow(dead_code)]
 mod llama;
+mod shutdown;

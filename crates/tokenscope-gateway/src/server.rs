@@ -75,6 +75,8 @@ pub(crate) struct ConnState {
     reusable_since: AtomicU64,
     /// A write to the client made no progress for the write timeout.
     pub write_stalled: AtomicBool,
+    /// Asked to close (at the cap); not picked again.
+    evicting: AtomicBool,
 }
 
 /// Counters of one listener's connections (`tokenscope_connections_*{listener}` on
@@ -165,6 +167,8 @@ struct Entry {
 pub(crate) struct Connections {
     epoch: Instant,
     entries: Mutex<HashMap<u64, Entry>>,
+    /// Notified whenever a connection ends (a slot and a descriptor are free again).
+    freed: Notify,
     next_id: AtomicU64,
     tasks: TaskTracker,
     /// Set when shutdown starts: connections finish their requests, then close.
@@ -180,6 +184,7 @@ impl Connections {
         Arc::new(Self {
             epoch: Instant::now(),
             entries: Mutex::new(HashMap::new()),
+            freed: Notify::new(),
             next_id: AtomicU64::new(0),
             tasks: TaskTracker::new(),
             drain: CancellationToken::new(),
@@ -211,10 +216,14 @@ impl Connections {
         let entries = self.entries.lock();
         let victim = entries
             .values()
-            .filter(|e| e.state.active.load(Ordering::Acquire) == 0)
+            .filter(|e| {
+                e.state.active.load(Ordering::Acquire) == 0
+                    && !e.state.evicting.load(Ordering::Relaxed)
+            })
             .min_by_key(|e| e.state.reusable_since.load(Ordering::Relaxed));
         match victim {
             Some(e) => {
+                e.state.evicting.store(true, Ordering::Relaxed);
                 // notify_one stores a permit: the task sees it even if it is not waiting yet.
                 e.evict.notify_one();
                 true
@@ -252,6 +261,7 @@ impl Drop for Registration {
     fn drop(&mut self) {
         self.conns.entries.lock().remove(&self.id);
         self.conns.counters.open.dec();
+        self.conns.freed.notify_waiters();
     }
 }
 
@@ -459,7 +469,33 @@ pub(crate) async fn serve(
     let builder = Arc::new(builder);
     let mut fd_warned = false;
     let lingering = Arc::new(AtomicUsize::new(0));
+    let max = limits.max_connections.max(1);
     loop {
+        // At the cap, make room before taking another descriptor: ask the connection reusable
+        // for longest to close and wait (briefly) until one has closed. With none reusable,
+        // accept and answer 503.
+        let mut full = false;
+        if conns.open() >= max {
+            if conns.evict_one() {
+                conns.counters.evicted.inc();
+            }
+            let freed = conns.freed.notified();
+            tokio::pin!(freed);
+            // Registered before the check below: a close in between is not missed.
+            freed.as_mut().enable();
+            if conns.open() >= max {
+                let waited = tokio::select! {
+                    biased;
+                    _ = stop.wait_for(|v| *v) => break,
+                    () = &mut freed => true,
+                    () = tokio::time::sleep(Duration::from_millis(100)) => false,
+                };
+                if waited || conns.open() < max {
+                    continue;
+                }
+                full = true;
+            }
+        }
         let accepted = tokio::select! {
             biased;
             _ = stop.wait_for(|v| *v) => break,
@@ -472,7 +508,9 @@ pub(crate) async fn serve(
                     tracing::warn!(error = %e, open = conns.open(), "Out of file descriptors: closing a reusable connection; raise the open-file limit or lower max_connections.");
                     fd_warned = true;
                 }
-                conns.evict_one();
+                if conns.evict_one() {
+                    conns.counters.evicted.inc();
+                }
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 continue;
             }
@@ -482,14 +520,10 @@ pub(crate) async fn serve(
             }
         };
         conns.counters.accepted.inc();
-        if conns.open() >= limits.max_connections.max(1) {
-            if conns.evict_one() {
-                conns.counters.evicted.inc();
-            } else {
-                conns.counters.rejected.inc();
-                reject(tcp, &lingering);
-                continue;
-            }
+        if full && conns.open() >= max {
+            conns.counters.rejected.inc();
+            reject(tcp, &lingering);
+            continue;
         }
         if limits.nodelay {
             // Streamed tokens are small writes: no Nagle delay behind the client's delayed ACK.

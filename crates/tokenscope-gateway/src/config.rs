@@ -428,8 +428,10 @@ pub struct GatewayConfig {
     pub prices: Vec<tokenscope_analysis::ModelPrice>,
     /// Budgets per business line (`[[budgets]]`): daily or monthly, explicit or automatic.
     pub budgets: Vec<tokenscope_analysis::budget::BudgetConfig>,
-    /// The built-in dashboard (`[dashboard]`).
+    /// The built-in dashboard (`[dashboard]`; its `token` is the admin token).
     pub dashboard: crate::dashboard::DashboardSection,
+    /// Access to the admin listener and limits of its write routes (`[admin]`).
+    pub admin: crate::auth::AdminSection,
 }
 
 impl Default for GatewayConfig {
@@ -463,6 +465,7 @@ impl Default for GatewayConfig {
             prices: Vec::new(),
             budgets: Vec::new(),
             dashboard: crate::dashboard::DashboardSection::default(),
+            admin: crate::auth::AdminSection::default(),
         }
     }
 }
@@ -591,12 +594,14 @@ impl GatewayConfig {
             if uri.scheme_str() != Some("http") {
                 return Err(ConfigError::Invalid(format!(
                     "upstream {:?}: only http:// upstreams are supported (got {})",
-                    u.name, u.url
+                    u.name,
+                    crate::redact_url(&u.url)
                 )));
             }
         }
         self.tracing.validate()?;
         self.alerts.validate()?;
+        crate::auth::validate(self).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         for k in &self.api_keys {
             if k.key.is_none() && k.key_sha256.is_none() {
                 return Err(ConfigError::Invalid(
@@ -669,6 +674,7 @@ const ENV_TABLES: &[&str] = &[
     "tracing",
     "alerts",
     "dashboard",
+    "admin",
 ];
 
 fn parse_scalar(v: &str) -> toml::Value {

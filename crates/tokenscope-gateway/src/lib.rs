@@ -19,6 +19,7 @@
 
 mod admin;
 pub mod alerting;
+pub mod auth;
 pub mod body;
 pub mod config;
 pub mod cost;
@@ -704,6 +705,13 @@ impl Gateway {
         };
         let proxy = bind(cfg.listen.clone()).await?;
         let admin = bind(cfg.admin_listen.clone()).await?;
+        if let Some(w) = admin
+            .local_addr()
+            .ok()
+            .and_then(|a| auth::open_admin_warning(&cfg, a))
+        {
+            tracing::warn!("{w}");
+        }
 
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(cfg.connect_timeout()));
@@ -745,8 +753,12 @@ impl Gateway {
             api_keys: cfg.api_key_map(),
             cost: cost::CostMeter::new(tokenscope_analysis::PriceTable::new(cfg.prices.clone())),
             budgets: budgets.clone(),
-            business_metrics: Arc::new(cost::BusinessMetricsFile::new(
+            business_metrics: Arc::new(cost::BusinessMetricsFile::with_limits(
                 cost::business_metrics_path(&target),
+                cost::BusinessMetricsLimits {
+                    max_bytes: cfg.admin.business_metrics_max_bytes,
+                    max_lines: cfg.admin.business_metrics_max_lines,
+                },
             )),
             cfg,
             client,

@@ -31,7 +31,7 @@
 
 use crate::GatewayConfig;
 use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde::Deserialize;
 use std::net::SocketAddr;
 

@@ -262,12 +262,13 @@ impl TracingSection {
             .as_deref()
             .filter(|e| !e.trim().is_empty())
         {
-            let uri: http::Uri = ep
-                .parse()
-                .map_err(|e| ConfigError::Invalid(format!("tracing: otlp_endpoint {ep:?}: {e}")))?;
+            let shown = crate::redact_url(ep);
+            let uri: http::Uri = ep.parse().map_err(|e| {
+                ConfigError::Invalid(format!("tracing: otlp_endpoint {shown:?}: {e}"))
+            })?;
             if uri.scheme_str() != Some("http") || uri.host().is_none() {
                 return bad(format!(
-                    "otlp_endpoint {ep:?}: expected http://HOST:PORT (https is not supported; send to a local collector)"
+                    "otlp_endpoint {shown:?}: expected http://HOST:PORT (https is not supported; send to a local collector)"
                 ));
             }
         }

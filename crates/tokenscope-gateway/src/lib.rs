@@ -6,7 +6,9 @@
 //! * `proxy` — the request path (measured endpoints and pass-through).
 //! * `body` — [`body::MeteredBody`], the response body wrapper that forwards and measures.
 //! * `recording` — the exactly-one-record guarantee ([`recording::RecordOut`]).
-//! * `admin` — `/metrics` and the admin API on a separate listener.
+//! * `admin` — `/metrics` and the admin API on a separate listener; [`auth`] — who may call
+//!   which admin route.
+//! * [`models`] — the models the upstreams serve, reserved as metric labels.
 //!
 //! Invariants (the hot-path/sink boundary):
 //! * The request path never awaits a store, an exporter or a lock held across I/O. A finished
@@ -25,6 +27,7 @@ pub mod config;
 pub mod cost;
 pub mod dashboard;
 pub mod engine;
+pub mod models;
 mod proxy;
 pub mod recording;
 mod upconn;
@@ -749,6 +752,13 @@ impl Gateway {
                 started_us,
             );
         }
+        // Model labels for the models the upstreams serve (config names now, `/v1/models` in
+        // the background): client-chosen names cannot push them into `other`.
+        let served: Vec<(String, Uri, Vec<String>)> = upstreams
+            .iter()
+            .map(|u| (u.name.clone(), u.base.clone(), u.cfg.models.clone()))
+            .collect();
+        models::start(metrics.clone(), &served).await;
         let shared = Arc::new(Shared {
             api_keys: cfg.api_key_map(),
             cost: cost::CostMeter::new(tokenscope_analysis::PriceTable::new(cfg.prices.clone())),

@@ -13,3 +13,5 @@ mod common;
 #[path = "../llama/mod.rs"]
 #[allow(dead_code)]
 mod llama;
+mod admin;
+mod leaks;

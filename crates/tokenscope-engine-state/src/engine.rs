@@ -474,11 +474,7 @@ pub(crate) fn parse_http_url(url: &str) -> Result<Uri, TargetError> {
         })?;
     match uri.scheme_str() {
         Some("http") => {}
-        Some(_) => {
-            return Err(TargetError::UnsupportedScheme {
-                url: redacted(url),
-            })
-        }
+        Some(_) => return Err(TargetError::UnsupportedScheme { url: redacted(url) }),
         None => {
             return Err(TargetError::InvalidUrl {
                 url: redacted(url),

@@ -223,9 +223,11 @@ async fn business_metrics(State(s): State<AdminState>, body: axum::body::Bytes) 
     };
     match tokio::task::spawn_blocking(move || file.append(&points)).await {
         Ok(Ok(())) => Json(serde_json::json!({ "accepted": n })).into_response(),
-        Ok(Err(e @ crate::cost::BusinessMetricsError::Full { .. })) => {
-            error_response(StatusCode::INSUFFICIENT_STORAGE, "sidecar_full", &e.to_string())
-        }
+        Ok(Err(e @ crate::cost::BusinessMetricsError::Full { .. })) => error_response(
+            StatusCode::INSUFFICIENT_STORAGE,
+            "sidecar_full",
+            &e.to_string(),
+        ),
         Ok(Err(e @ crate::cost::BusinessMetricsError::TooManyLines { .. })) => error_response(
             StatusCode::TOO_MANY_REQUESTS,
             "too_many_business_lines",

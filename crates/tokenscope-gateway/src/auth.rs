@@ -294,7 +294,10 @@ pub fn open_admin_warning(cfg: &GatewayConfig, bound: SocketAddr) -> Option<Stri
         open.push("/metrics");
     }
     let (writes, verb) = if cfg.admin.allow_open_admin {
-        ("/api/flush, /api/business-metrics", "open (allow_open_admin = true)")
+        (
+            "/api/flush, /api/business-metrics",
+            "open (allow_open_admin = true)",
+        )
     } else {
         ("/api/flush, /api/business-metrics", "refused with 403")
     };
@@ -351,7 +354,11 @@ mod tests {
 
     #[test]
     fn classes_and_tokens() {
-        let c = cfg(Some("admin-secret"), Some("ingest-secret"), "127.0.0.1:9464");
+        let c = cfg(
+            Some("admin-secret"),
+            Some("ingest-secret"),
+            "127.0.0.1:9464",
+        );
         let none = HeaderMap::new();
         let admin = headers("bearer admin-secret");
         let ingest = headers("Bearer ingest-secret");
@@ -392,8 +399,14 @@ mod tests {
         }
         let exposed = cfg(None, None, "0.0.0.0:9464");
         assert_eq!(decide(&exposed, Access::Read, &none), Decision::Allowed);
-        assert_eq!(decide(&exposed, Access::Write, &none), Decision::RefusedOpen);
-        assert_eq!(decide(&exposed, Access::Ingest, &none), Decision::RefusedOpen);
+        assert_eq!(
+            decide(&exposed, Access::Write, &none),
+            Decision::RefusedOpen
+        );
+        assert_eq!(
+            decide(&exposed, Access::Ingest, &none),
+            Decision::RefusedOpen
+        );
         let mut allowed = exposed.clone();
         allowed.admin.allow_open_admin = true;
         assert_eq!(decide(&allowed, Access::Write, &none), Decision::Allowed);
@@ -404,7 +417,10 @@ mod tests {
         );
         let bound: SocketAddr = "0.0.0.0:9464".parse().expect("addr");
         let w = open_admin_warning(&exposed, bound).expect("warning");
-        assert!(w.contains("EXPOSED") && w.contains("/metrics") && w.contains("403"), "{w}");
+        assert!(
+            w.contains("EXPOSED") && w.contains("/metrics") && w.contains("403"),
+            "{w}"
+        );
         assert!(open_admin_warning(&local, "127.0.0.1:1".parse().expect("addr")).is_none());
         let tokened = cfg(Some("t"), None, "0.0.0.0:9464");
         assert!(open_admin_warning(&tokened, bound).is_none());

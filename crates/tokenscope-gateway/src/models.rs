@@ -65,7 +65,10 @@ fn models_uri(base: &Uri) -> Option<Uri> {
     Uri::from_parts(parts).ok()
 }
 
-async fn fetch(client: &Client<HttpConnector, Empty<Bytes>>, uri: &Uri) -> Result<Vec<String>, String> {
+async fn fetch(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    uri: &Uri,
+) -> Result<Vec<String>, String> {
     let req = http::Request::get(uri.clone())
         .header(http::header::ACCEPT, "application/json")
         .header(http::header::USER_AGENT, "tokenscope-gateway")
@@ -140,7 +143,8 @@ mod tests {
 
     #[test]
     fn model_lists_and_literal_names() {
-        let body = br#"{"object":"list","data":[{"id":"llama-3-8b"},{"id":""},{"x":1},{"id":"qwen"}]}"#;
+        let body =
+            br#"{"object":"list","data":[{"id":"llama-3-8b"},{"id":""},{"x":1},{"id":"qwen"}]}"#;
         assert_eq!(
             parse_model_ids(body),
             Some(vec!["llama-3-8b".to_owned(), "qwen".to_owned()])

@@ -48,7 +48,11 @@ pub fn bounded_label(value: &str, max: usize) -> Cow<'_, str> {
         }
         end = i + c.len_utf8();
     }
-    Cow::Owned(format!("{}~{:016x}", &value[..end], fnv1a(value.as_bytes())))
+    Cow::Owned(format!(
+        "{}~{:016x}",
+        &value[..end],
+        fnv1a(value.as_bytes())
+    ))
 }
 
 /// Limits a label to `max` distinct values plus `other`, reserved names first (module docs).

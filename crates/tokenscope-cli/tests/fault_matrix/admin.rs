@@ -131,8 +131,7 @@ async fn token_guards_writes_and_ingest() {
             assert_eq!(resp_headers["www-authenticate"], "Bearer");
             assert_eq!(error_code(&body), "unauthorized");
         }
-        let (status, _, _) =
-            post_bytes(&admin("/v1/traces"), forged_span(&trace, 12.5), &h).await;
+        let (status, _, _) = post_bytes(&admin("/v1/traces"), forged_span(&trace, 12.5), &h).await;
         assert_eq!(status, 401, "/v1/traces {headers:?}");
         let (status, _) = get_with(&admin("/api/requests"), &headers).await;
         assert_eq!(status, 401, "/api/requests {headers:?}");
@@ -151,7 +150,10 @@ async fn token_guards_writes_and_ingest() {
         let (status, _, _) = post_bytes(
             &admin(path),
             metric.clone(),
-            &[("authorization", &ingest), ("content-type", "application/json")],
+            &[
+                ("authorization", &ingest),
+                ("content-type", "application/json"),
+            ],
         )
         .await;
         assert_eq!(status, 401, "ingest token on {path}");
@@ -161,7 +163,10 @@ async fn token_guards_writes_and_ingest() {
     let (status, _, body) = post_bytes(
         &admin("/v1/traces"),
         forged_span(&trace, 12.5),
-        &[("authorization", &ingest), ("content-type", "application/json")],
+        &[
+            ("authorization", &ingest),
+            ("content-type", "application/json"),
+        ],
     )
     .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
@@ -174,7 +179,10 @@ async fn token_guards_writes_and_ingest() {
     let (status, _, body) = post_bytes(
         &admin("/api/business-metrics"),
         metric.clone(),
-        &[("authorization", &lower), ("content-type", "application/json")],
+        &[
+            ("authorization", &lower),
+            ("content-type", "application/json"),
+        ],
     )
     .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
@@ -220,10 +228,16 @@ async fn metrics_token_guards_metrics() {
     let (status, body) = get_with(&url, &[]).await;
     assert_eq!(status, 401, "{body}");
     assert!(!body.contains("llm_"), "{body}");
-    assert_eq!(get_with(&url, &[("authorization", "Bearer nope")]).await.0, 401);
+    assert_eq!(
+        get_with(&url, &[("authorization", "Bearer nope")]).await.0,
+        401
+    );
     let (status, body) = get_with(&url, &[("authorization", &format!("Bearer {PROM}"))]).await;
     assert_eq!(status, 200);
-    assert!(body.contains("llm_requests_in_flight") || body.contains("llm_"), "{body}");
+    assert!(
+        body.contains("llm_requests_in_flight") || body.contains("llm_"),
+        "{body}"
+    );
     let (status, _) = get_with(&url, &[("authorization", &format!("bearer {ADMIN}"))]).await;
     assert_eq!(status, 200, "the admin token reads /metrics too");
     // The metrics token is read-only.
@@ -235,7 +249,9 @@ async fn metrics_token_guards_metrics() {
     .await;
     assert_eq!(status, 401);
     assert_eq!(
-        get_with(&format!("http://{}/healthz", gw.admin), &[]).await.0,
+        get_with(&format!("http://{}/healthz", gw.admin), &[])
+            .await
+            .0,
         200
     );
 }
@@ -263,7 +279,10 @@ pub(crate) fn spawn_serve(
 }
 
 /// Waits for the child to exit (at most `limit`).
-pub(crate) fn wait_exit(child: &mut std::process::Child, limit: Duration) -> Option<std::process::ExitStatus> {
+pub(crate) fn wait_exit(
+    child: &mut std::process::Child,
+    limit: Duration,
+) -> Option<std::process::ExitStatus> {
     let deadline = Instant::now() + limit;
     loop {
         if let Some(st) = child.try_wait().expect("wait") {
@@ -433,7 +452,11 @@ async fn business_metrics_flood_is_bounded() {
     let size = std::fs::metadata(&sidecar).expect("sidecar").len();
     assert!(size <= 4096, "sidecar grew to {size} bytes");
     let text = std::fs::read_to_string(&sidecar).expect("sidecar");
-    assert_eq!(text.lines().count(), accepted, "accepted values are all kept");
+    assert_eq!(
+        text.lines().count(),
+        accepted,
+        "accepted values are all kept"
+    );
     // Still full: a small value is refused too, the file is unchanged.
     let (status, _, _) = post_bytes(&url, points("ads", 1), &ct).await;
     assert_eq!(status, 507);

@@ -77,7 +77,10 @@ otlp_endpoint = "http://otel:{SECRET}@127.0.0.1:{dead}"
     let _ = child.wait();
     let out = out_reader.join().expect("stdout");
     let err = err_reader.join().expect("stderr");
-    assert!(out.contains("tokenscope listening"), "did not start: {out}\n{err}");
+    assert!(
+        out.contains("tokenscope listening"),
+        "did not start: {out}\n{err}"
+    );
     assert!(
         !out.contains(SECRET) && !err.contains(SECRET),
         "a password was printed:\n{out}\n{err}"
@@ -107,7 +110,9 @@ async fn top_k_user_labels_are_bounded() {
     let users = label_values(&metrics, "llm_tokens_total", "user_bucket");
     assert!(users.contains("alice"), "{users:?}");
     assert!(
-        users.iter().all(|u| u.len() <= 64 && !u.contains(&long[..65])),
+        users
+            .iter()
+            .all(|u| u.len() <= 64 && !u.contains(&long[..65])),
         "{users:?}"
     );
     let marked: Vec<&String> = users.iter().filter(|u| u.contains('~')).collect();

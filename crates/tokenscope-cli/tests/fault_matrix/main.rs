@@ -8,10 +8,10 @@
 //! outage, SIGKILL) live in `gateway_faults.rs`, `gateway_behaviour.rs` and
 //! `clickhouse_store.rs` and keep running beside these.
 
+mod admin;
 #[path = "../common/mod.rs"]
 mod common;
+mod leaks;
 #[path = "../llama/mod.rs"]
 #[allow(dead_code)]
 mod llama;
-mod admin;
-mod leaks;

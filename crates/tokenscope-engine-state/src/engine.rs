@@ -688,6 +688,20 @@ async fn run(
 mod tests {
     use super::*;
 
+    #[test]
+    fn urls_in_logs_and_errors_carry_no_password() {
+        assert_eq!(
+            redacted("http://ops:s3cret@10.0.0.1:8000/metrics"),
+            "http://ops:***@10.0.0.1:8000/metrics"
+        );
+        assert_eq!(
+            redacted("http://10.0.0.1:8000/m?a=b@c"),
+            "http://10.0.0.1:8000/m?a=b@c"
+        );
+        let err = parse_http_url("https://ops:s3cret@h/metrics").expect_err("https");
+        assert!(!err.to_string().contains("s3cret"), "{err}");
+    }
+
     fn expo(text: &str) -> Exposition {
         exposition::parse(text)
     }

@@ -512,6 +512,50 @@ mod tests {
     use super::*;
     use tokenscope_analysis::ModelPrice;
 
+    #[test]
+    fn business_metrics_file_is_bounded_and_notices_rotation() {
+        use tokenscope_analysis::budget::BusinessMetricPoint;
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("bm.jsonl");
+        let f = BusinessMetricsFile::with_limits(
+            path.clone(),
+            BusinessMetricsLimits {
+                max_bytes: 400,
+                max_lines: 2,
+            },
+        );
+        let pt = |line: &str| BusinessMetricPoint {
+            business_line: line.into(),
+            at_us: 1,
+            value: 1.0,
+        };
+        f.append(&[pt("a"), pt("b")]).expect("two lines");
+        assert!(matches!(
+            f.append(&[pt("a"), pt("c")]),
+            Err(BusinessMetricsError::TooManyLines { max_lines: 2, .. })
+        ));
+        let size = std::fs::metadata(&path).expect("file").len();
+        let mut full = false;
+        for _ in 0..100 {
+            match f.append(&[pt("a")]) {
+                Ok(()) => {}
+                Err(BusinessMetricsError::Full { max_bytes: 400, .. }) => {
+                    full = true;
+                    break;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(full);
+        let len = std::fs::metadata(&path).expect("file").len();
+        assert!(len > size && len <= 400, "{len}");
+        // The operator rotates the file: room and lines are counted afresh.
+        std::fs::remove_file(&path).expect("rotate");
+        f.append(&[pt("c"), pt("d")]).expect("after rotation");
+        let text = std::fs::read_to_string(&path).expect("file");
+        assert_eq!(text.lines().count(), 2, "{text}");
+    }
+
     fn rec(model: &str, input: u64, output: u64) -> RequestRecord {
         RequestRecord {
             model: model.into(),

@@ -427,6 +427,31 @@ mod tests {
     }
 
     #[test]
+    fn numeric_tokens_from_the_environment_stay_text() {
+        let env = vec![
+            (
+                "TOKENSCOPE_DASHBOARD__TOKEN".to_owned(),
+                "123456".to_owned(),
+            ),
+            (
+                "TOKENSCOPE_ADMIN__INGEST_TOKEN".to_owned(),
+                "1.50".to_owned(),
+            ),
+            (
+                "TOKENSCOPE_ADMIN__METRICS_AUTH".to_owned(),
+                "true".to_owned(),
+            ),
+        ];
+        let c = GatewayConfig::load_with_env(None, env).expect("config");
+        assert_eq!(c.dashboard.token.as_deref(), Some("123456"));
+        assert_eq!(c.admin.ingest_token.as_deref(), Some("1.50"));
+        assert!(c.admin.metrics_auth);
+        let env = vec![("TOKENSCOPE_DASHBOARD__TOKEN".to_owned(), " ".to_owned())];
+        let e = GatewayConfig::load_with_env(None, env).expect_err("empty token");
+        assert!(e.to_string().contains("[dashboard] token is empty"), "{e}");
+    }
+
+    #[test]
     fn empty_or_odd_tokens_are_config_errors() {
         let mut c = cfg(Some("  "), None, "127.0.0.1:9464");
         assert_eq!(

@@ -300,7 +300,8 @@ pub struct UpstreamConfig {
     /// Engine metrics URL to scrape instead of `{url}/metrics`.
     #[serde(default)]
     pub metrics_url: Option<String>,
-    /// Scrape the engine's metrics this often (ms); 0 turns engine-state scraping off.
+    /// Scrape the engine's metrics this often (ms); 0 turns engine-state scraping off, and the
+    /// `/v1/models` fetch of the model labels (`crate::models`) with it.
     #[serde(default = "default_scrape_interval_ms")]
     pub scrape_interval_ms: u64,
 }
@@ -523,7 +524,12 @@ impl GatewayConfig {
                 // Other TOKENSCOPE_* variables belong to scripts and tests, not to the gateway.
                 continue;
             }
-            let value = parse_scalar(&v);
+            // A token is text even when it looks like a number (`…__TOKEN=123456`).
+            let value = if key.ends_with("token") {
+                toml::Value::String(v)
+            } else {
+                parse_scalar(&v)
+            };
             match key.split_once("__") {
                 Some((table, field)) => {
                     let t = doc

@@ -754,9 +754,12 @@ impl Gateway {
         }
         // Model labels for the models the upstreams serve (config names now, `/v1/models` in
         // the background): client-chosen names cannot push them into `other`.
-        let served: Vec<(String, Uri, Vec<String>)> = upstreams
+        let served: Vec<(String, Uri, Vec<String>, bool)> = upstreams
             .iter()
-            .map(|u| (u.name.clone(), u.base.clone(), u.cfg.models.clone()))
+            .map(|u| {
+                let polled = u.cfg.scrape_interval_ms > 0;
+                (u.name.clone(), u.base.clone(), u.cfg.models.clone(), polled)
+            })
             .collect();
         models::start(metrics.clone(), &served).await;
         let shared = Arc::new(Shared {

@@ -4,7 +4,9 @@
 //! Sources: the upstreams' `models` entries that are literal names (not `prefix*` / `*`),
 //! reserved before the gateway serves, and the ids each upstream lists at `GET /v1/models`
 //! (`{"data": [{"id": …}]}`, the OpenAI shape that vLLM, SGLang, llama.cpp, TGI and the mock
-//! engine answer), fetched by one background task at start-up and every [`REFRESH`].
+//! engine answer), fetched by one background task at start-up and every [`REFRESH`] from each
+//! upstream polled in the background (`scrape_interval_ms > 0`; 0 turns both the engine-state
+//! scrape and this fetch off for that upstream).
 //!
 //! Invariants:
 //! * Never on the request path: the task runs beside the listeners. Start-up waits for its
@@ -91,13 +93,15 @@ async fn fetch(
         .map_err(|_| format!("no answer within {FETCH_TIMEOUT:?}"))?
 }
 
-/// Reserves the upstreams' literal model names now, starts the `/v1/models` task and waits
-/// for its first round (at most [`FIRST_ROUND_WAIT`]).
-pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[(String, Uri, Vec<String>)]) {
-    metrics.reserve_models(upstreams.iter().flat_map(|(_, _, m)| literal_names(m)));
+/// Reserves the upstreams' literal model names now, starts the `/v1/models` task for the
+/// upstreams polled in the background (`true`: `scrape_interval_ms > 0`) and waits for its
+/// first round (at most [`FIRST_ROUND_WAIT`]).
+pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[(String, Uri, Vec<String>, bool)]) {
+    metrics.reserve_models(upstreams.iter().flat_map(|(_, _, m, _)| literal_names(m)));
     let targets: Vec<(String, Uri, String)> = upstreams
         .iter()
-        .filter_map(|(name, base, _)| {
+        .filter(|(_, _, _, polled)| *polled)
+        .filter_map(|(name, base, _, _)| {
             let uri = models_uri(base)?;
             let shown = crate::redact_url(&uri.to_string());
             Some((name.clone(), uri, shown))

@@ -11,7 +11,7 @@
 //! Invariants:
 //! * Never on the request path: the task runs beside the listeners. Start-up waits for its
 //!   first round at most [`FIRST_ROUND_WAIT`] (an engine that is down answers at once; one that
-//!   hangs delays the start by that much, then the round finishes in the background).
+//!   hangs delays the start by that much, 2 s).
 //! * Each fetch is bounded: [`FETCH_TIMEOUT`] for the whole exchange, a body of at most
 //!   [`MAX_BODY_BYTES`]. A failed fetch is logged at debug (an upstream without `/v1/models`
 //!   is normal) and retried at the next round.
@@ -30,8 +30,9 @@ use tokenscope_telemetry::Metrics;
 
 /// Period of the `/v1/models` refresh.
 pub const REFRESH: Duration = Duration::from_secs(60);
-/// Longest wait of start-up for the first round.
-pub const FIRST_ROUND_WAIT: Duration = Duration::from_secs(1);
+/// Longest wait of start-up for the first round (one fetch's timeout: the upstreams are
+/// fetched at once).
+pub const FIRST_ROUND_WAIT: Duration = FETCH_TIMEOUT;
 /// Time allowed for one fetch.
 pub const FETCH_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest `/v1/models` body read.
@@ -119,8 +120,11 @@ pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[(String, Uri, Vec<
             .build(connector);
         let mut first = Some(tx);
         loop {
-            for (name, uri, shown) in &targets {
-                match fetch(&client, uri).await {
+            // The upstreams at once: a round lasts at most one FETCH_TIMEOUT.
+            let round = targets.iter().map(|(_, uri, _)| fetch(&client, uri));
+            let results = futures_util::future::join_all(round).await;
+            for ((name, _, shown), result) in targets.iter().zip(results) {
+                match result {
                     Ok(ids) => {
                         let added = metrics.reserve_models(&ids);
                         if added > 0 {

@@ -143,6 +143,15 @@ async fn token_guards_writes_and_ingest() {
         "a forged span without a token must not change the record"
     );
     assert_eq!(after["queue_source"], before["queue_source"]);
+    // …nor the stored row.
+    gw.flush_with_token(ADMIN).await;
+    let rows = common::store_table(&gw.store);
+    let row = rows
+        .iter()
+        .find(|r| r["request_id"] == "adm-1")
+        .expect("row adm-1 stored");
+    assert_eq!(row["queue_duration_ms"], queue_before, "{row:?}");
+    assert_eq!(row["queue_source"], before["queue_source"], "{row:?}");
 
     // The ingest token opens /v1/traces only.
     let ingest = format!("Bearer {INGEST}");

@@ -254,7 +254,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         redact_url(&cfg.store)
     );
     tracing::info!(proxy = %gw.proxy_addr(), admin = %gw.admin_addr(), store = %redact_url(&cfg.store),
-        upstreams = ?cfg.upstreams.iter().map(|u| &u.url).collect::<Vec<_>>(), "Gateway ready.");
+        upstreams = ?cfg.upstreams.iter().map(|u| redact_url(&u.url)).collect::<Vec<_>>(), "Gateway ready.");
     let summary = gw.run(shutdown_signal()).await?;
     if let Some((tx, task)) = mock_task {
         let _ = tx.send(());

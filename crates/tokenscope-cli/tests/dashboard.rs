@@ -185,7 +185,7 @@ usd = 0.001
         assert_eq!(status == 500, s.fail, "request {i}: status {status}");
         sent.push(s);
     }
-    gw.flush().await;
+    gw.flush_with_token(TOKEN).await;
     let until = now_s().ceil() + 1.0;
 
     // --- the API against the traffic ----------------------------------------------------

@@ -448,31 +448,43 @@ impl EngineTarget {
     }
 }
 
+/// `scheme://user:secret@host…` → `scheme://user:***@host…`: URLs in logs and errors never
+/// carry a password.
+pub(crate) fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    match rest[..end].rfind('@') {
+        Some(at) => {
+            let user = rest[..at].split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:***@{}", &rest[at + 1..])
+        }
+        None => url.to_owned(),
+    }
+}
+
 /// Parses and checks a scrape URL (absolute, `http://`).
 pub(crate) fn parse_http_url(url: &str) -> Result<Uri, TargetError> {
     let uri: Uri = url
         .parse()
         .map_err(|e: http::uri::InvalidUri| TargetError::InvalidUrl {
-            url: url.to_owned(),
+            url: redacted(url),
             reason: e.to_string(),
         })?;
     match uri.scheme_str() {
         Some("http") => {}
-        Some(_) => {
-            return Err(TargetError::UnsupportedScheme {
-                url: url.to_owned(),
-            })
-        }
+        Some(_) => return Err(TargetError::UnsupportedScheme { url: redacted(url) }),
         None => {
             return Err(TargetError::InvalidUrl {
-                url: url.to_owned(),
+                url: redacted(url),
                 reason: "not an absolute URL".to_owned(),
             })
         }
     }
     if uri.authority().is_none() {
         return Err(TargetError::InvalidUrl {
-            url: url.to_owned(),
+            url: redacted(url),
             reason: "no host".to_owned(),
         });
     }
@@ -619,6 +631,7 @@ async fn run(
     config: ScrapeConfig,
 ) {
     let client = fetch::client(config.timeout);
+    let shown = redacted(&uri.to_string());
     let mut window = PrefixWindow::default();
     let mut failing = false;
     let mut ticker = tokio::time::interval(config.interval);
@@ -649,18 +662,18 @@ async fn run(
                 });
                 if failing {
                     failing = false;
-                    tracing::info!(upstream = %shared.name, url = %uri, kind = reading.kind.as_str(), "engine state known again");
+                    tracing::info!(upstream = %shared.name, url = %shown, kind = reading.kind.as_str(), "engine state known again");
                 }
             }
             Err(error) => {
                 shared.cell.fail(error.to_string());
                 if failing {
-                    tracing::debug!(upstream = %shared.name, url = %uri, %error, "engine state still unknown");
+                    tracing::debug!(upstream = %shared.name, url = %shown, %error, "engine state still unknown");
                 } else {
                     failing = true;
                     tracing::warn!(
                         upstream = %shared.name,
-                        url = %uri,
+                        url = %shown,
                         %error,
                         "engine state unknown; retrying every {:?} (repeats logged at debug)",
                         config.interval
@@ -674,6 +687,20 @@ async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn urls_in_logs_and_errors_carry_no_password() {
+        assert_eq!(
+            redacted("http://ops:s3cret@10.0.0.1:8000/metrics"),
+            "http://ops:***@10.0.0.1:8000/metrics"
+        );
+        assert_eq!(
+            redacted("http://10.0.0.1:8000/m?a=b@c"),
+            "http://10.0.0.1:8000/m?a=b@c"
+        );
+        let err = parse_http_url("https://ops:s3cret@h/metrics").expect_err("https");
+        assert!(!err.to_string().contains("s3cret"), "{err}");
+    }
 
     fn expo(text: &str) -> Exposition {
         exposition::parse(text)

@@ -5,7 +5,7 @@
 //!   Prometheus 0.0.4 text format.
 //! * `GET /healthz` — `ok`.
 //! * `GET /` — the built-in dashboard and `GET /api/dashboard/…` its JSON API
-//!   ([`crate::dashboard`]; `[dashboard] token` guards the API and `/api/requests*`).
+//!   ([`crate::dashboard`]).
 //! * `GET /api/requests?limit=N` — the last N finished records, newest first (in memory).
 //! * `GET /api/requests/{request_id}` — one recent record, 404 when not in memory.
 //! * `POST /v1/traces` — OTLP/HTTP (protobuf or JSON) receiver for engine spans; their
@@ -14,8 +14,17 @@
 //! * `POST /api/business-metrics` — business-metric values per business line for the budget
 //!   growth check: `{"business_line": "search", "value": 1200, "at": UNIX_SECONDS}` (`at`
 //!   optional, default now) or an array of them; appended to the store's sidecar file
-//!   (`crate::cost::business_metrics_path`), read by `tokenscope budget`.
+//!   (`crate::cost::business_metrics_path`), read by `tokenscope budget`. Bounded: at most
+//!   `[admin] business_metrics_max_points` values per call (413), `business_metrics_max_lines`
+//!   distinct business lines (429) and `business_metrics_max_bytes` of file (507), each a JSON
+//!   error; nothing of a refused call is written.
+//!
+//! Access (`crate::auth`): `/healthz` open; `/metrics` open unless `[admin] metrics_auth`;
+//! `/api/requests*` and the dashboard API need the admin token (`[dashboard] token`) when set;
+//! `/api/flush` and `/api/business-metrics` likewise (403 on an exposed address without one);
+//! `/v1/traces` needs `[admin] ingest_token` or the admin token when either is set.
 
+use crate::auth::Access;
 use crate::Shared;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
@@ -43,14 +52,29 @@ pub(crate) fn router(shared: Arc<Shared>, pipeline: Arc<PipelineHandle>) -> Rout
         },
     ));
     let dashboard = crate::dashboard::router(shared.clone());
-    Router::new()
-        .merge(otlp)
+    // One guard per class of routes (`crate::auth`); `route_layer` guards only the routes
+    // present, and an unknown path stays a 404.
+    let guard = |access: Access| {
+        axum::middleware::from_fn_with_state((shared.clone(), access), crate::auth::guard)
+    };
+    let ingest = otlp.route_layer(guard(Access::Ingest));
+    let metrics_routes = Router::new()
         .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok" }))
+        .route_layer(guard(Access::Metrics));
+    let read = Router::new()
         .route("/api/requests", get(recent))
         .route("/api/requests/{id}", get(one))
+        .route_layer(guard(Access::Read));
+    let write = Router::new()
         .route("/api/flush", post(flush))
         .route("/api/business-metrics", post(business_metrics))
+        .route_layer(guard(Access::Write));
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .merge(ingest)
+        .merge(metrics_routes)
+        .merge(read)
+        .merge(write)
         .with_state(AdminState { shared, pipeline })
         .merge(dashboard)
 }
@@ -88,14 +112,7 @@ struct Limit {
     limit: Option<usize>,
 }
 
-async fn recent(
-    State(s): State<AdminState>,
-    headers: axum::http::HeaderMap,
-    Query(q): Query<Limit>,
-) -> Response {
-    if !crate::dashboard::authorized(&s.shared, &headers) {
-        return crate::dashboard::unauthorized();
-    }
+async fn recent(State(s): State<AdminState>, Query(q): Query<Limit>) -> Response {
     let limit = q.limit.unwrap_or(100);
     let rows: Vec<_> = s
         .shared
@@ -109,14 +126,7 @@ async fn recent(
     Json(rows).into_response()
 }
 
-async fn one(
-    State(s): State<AdminState>,
-    headers: axum::http::HeaderMap,
-    Path(id): Path<String>,
-) -> Response {
-    if !crate::dashboard::authorized(&s.shared, &headers) {
-        return crate::dashboard::unauthorized();
-    }
+async fn one(State(s): State<AdminState>, Path(id): Path<String>) -> Response {
     let found = s
         .shared
         .recent
@@ -156,14 +166,32 @@ enum MetricsIn {
 }
 
 async fn business_metrics(State(s): State<AdminState>, body: axum::body::Bytes) -> Response {
+    use crate::proxy::error_response;
     let parsed: MetricsIn = match serde_json::from_slice(&body) {
         Ok(p) => p,
-        Err(e) => return (StatusCode::BAD_REQUEST, format!("invalid JSON: {e}")).into_response(),
+        Err(e) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "invalid_json",
+                &format!("invalid JSON: {e}"),
+            )
+        }
     };
     let list = match parsed {
         MetricsIn::One(m) => vec![m],
         MetricsIn::Many(v) => v,
     };
+    let max_points = s.shared.cfg.admin.business_metrics_max_points;
+    if list.len() > max_points {
+        return error_response(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_many_values",
+            &format!(
+                "{} values in one call; at most {max_points} ([admin] business_metrics_max_points)",
+                list.len()
+            ),
+        );
+    }
     let now_us = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_micros() as i64)
@@ -179,26 +207,33 @@ async fn business_metrics(State(s): State<AdminState>, body: axum::body::Bytes) 
             value: m.value,
         };
         if let Err(e) = p.validate() {
-            return (StatusCode::BAD_REQUEST, e.to_string()).into_response();
+            return error_response(StatusCode::BAD_REQUEST, "invalid_value", &e.to_string());
         }
         points.push(p);
     }
     let n = points.len();
     let file = s.shared.business_metrics.clone();
-    match tokio::task::spawn_blocking(move || file.append(&points)).await {
-        Ok(Ok(())) => Json(serde_json::json!({ "accepted": n })).into_response(),
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "business metrics: append failed");
-            (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "could not store the values",
-            )
-                .into_response()
-        }
-        Err(_) => (
+    let stored = |e: &dyn std::fmt::Display| {
+        tracing::warn!(error = %e, "business metrics: append failed");
+        error_response(
             StatusCode::INTERNAL_SERVER_ERROR,
+            "store_failed",
             "could not store the values",
         )
-            .into_response(),
+    };
+    match tokio::task::spawn_blocking(move || file.append(&points)).await {
+        Ok(Ok(())) => Json(serde_json::json!({ "accepted": n })).into_response(),
+        Ok(Err(e @ crate::cost::BusinessMetricsError::Full { .. })) => error_response(
+            StatusCode::INSUFFICIENT_STORAGE,
+            "sidecar_full",
+            &e.to_string(),
+        ),
+        Ok(Err(e @ crate::cost::BusinessMetricsError::TooManyLines { .. })) => error_response(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_business_lines",
+            &e.to_string(),
+        ),
+        Ok(Err(e)) => stored(&e),
+        Err(e) => stored(&e),
     }
 }

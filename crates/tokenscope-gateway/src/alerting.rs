@@ -114,10 +114,11 @@ impl AlertsSection {
         };
         let uri: http::Uri = url
             .parse()
-            .map_err(|e| invalid(format!("webhook_url {url:?}: {e}")))?;
+            .map_err(|e| invalid(format!("webhook_url {:?}: {e}", crate::redact_url(url))))?;
         if uri.scheme_str() != Some("http") || uri.host().is_none() {
             return Err(invalid(format!(
-                "webhook_url {url:?}: only http://HOST[:PORT]/PATH is supported"
+                "webhook_url {:?}: only http://HOST[:PORT]/PATH is supported",
+                crate::redact_url(url)
             )));
         }
         Ok(Some(Settings {
@@ -302,7 +303,7 @@ pub(crate) fn start(
         .generator_url
         .clone()
         .unwrap_or_else(|| format!("http://{admin_listen}/metrics"));
-    tracing::info!(webhook = %settings.url, interval = ?settings.interval, "Alerting on.");
+    tracing::info!(webhook = %crate::redact_url(&settings.url.to_string()), interval = ?settings.interval, "Alerting on.");
     tokio::spawn(run(
         Arc::downgrade(&feed),
         evaluator,

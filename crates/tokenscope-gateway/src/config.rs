@@ -262,12 +262,13 @@ impl TracingSection {
             .as_deref()
             .filter(|e| !e.trim().is_empty())
         {
-            let uri: http::Uri = ep
-                .parse()
-                .map_err(|e| ConfigError::Invalid(format!("tracing: otlp_endpoint {ep:?}: {e}")))?;
+            let shown = crate::redact_url(ep);
+            let uri: http::Uri = ep.parse().map_err(|e| {
+                ConfigError::Invalid(format!("tracing: otlp_endpoint {shown:?}: {e}"))
+            })?;
             if uri.scheme_str() != Some("http") || uri.host().is_none() {
                 return bad(format!(
-                    "otlp_endpoint {ep:?}: expected http://HOST:PORT (https is not supported; send to a local collector)"
+                    "otlp_endpoint {shown:?}: expected http://HOST:PORT (https is not supported; send to a local collector)"
                 ));
             }
         }
@@ -299,7 +300,8 @@ pub struct UpstreamConfig {
     /// Engine metrics URL to scrape instead of `{url}/metrics`.
     #[serde(default)]
     pub metrics_url: Option<String>,
-    /// Scrape the engine's metrics this often (ms); 0 turns engine-state scraping off.
+    /// Scrape the engine's metrics this often (ms); 0 turns engine-state scraping off, and the
+    /// `/v1/models` fetch of the model labels (`crate::models`) with it.
     #[serde(default = "default_scrape_interval_ms")]
     pub scrape_interval_ms: u64,
 }
@@ -472,10 +474,12 @@ pub struct GatewayConfig {
     pub prices: Vec<tokenscope_analysis::ModelPrice>,
     /// Budgets per business line (`[[budgets]]`): daily or monthly, explicit or automatic.
     pub budgets: Vec<tokenscope_analysis::budget::BudgetConfig>,
-    /// The built-in dashboard (`[dashboard]`).
+    /// The built-in dashboard (`[dashboard]`; its `token` is the admin token).
     pub dashboard: crate::dashboard::DashboardSection,
     /// Connection caps, client timeouts and size limits (`[limits]`).
     pub limits: LimitsSection,
+    /// Access to the admin listener and limits of its write routes (`[admin]`).
+    pub admin: crate::auth::AdminSection,
 }
 
 impl Default for GatewayConfig {
@@ -510,6 +514,7 @@ impl Default for GatewayConfig {
             budgets: Vec::new(),
             dashboard: crate::dashboard::DashboardSection::default(),
             limits: LimitsSection::default(),
+            admin: crate::auth::AdminSection::default(),
         }
     }
 }
@@ -566,7 +571,12 @@ impl GatewayConfig {
                 // Other TOKENSCOPE_* variables belong to scripts and tests, not to the gateway.
                 continue;
             }
-            let value = parse_scalar(&v);
+            // A token is text even when it looks like a number (`…__TOKEN=123456`).
+            let value = if key.ends_with("token") {
+                toml::Value::String(v)
+            } else {
+                parse_scalar(&v)
+            };
             match key.split_once("__") {
                 Some((table, field)) => {
                     let t = doc
@@ -651,12 +661,14 @@ impl GatewayConfig {
             if uri.scheme_str() != Some("http") {
                 return Err(ConfigError::Invalid(format!(
                     "upstream {:?}: only http:// upstreams are supported (got {})",
-                    u.name, u.url
+                    u.name,
+                    crate::redact_url(&u.url)
                 )));
             }
         }
         self.tracing.validate()?;
         self.alerts.validate()?;
+        crate::auth::validate(self).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         for k in &self.api_keys {
             if k.key.is_none() && k.key_sha256.is_none() {
                 return Err(ConfigError::Invalid(
@@ -730,6 +742,7 @@ const ENV_TABLES: &[&str] = &[
     "alerts",
     "dashboard",
     "limits",
+    "admin",
 ];
 
 fn parse_scalar(v: &str) -> toml::Value {

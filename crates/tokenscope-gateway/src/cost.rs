@@ -347,20 +347,79 @@ pub fn business_metrics_path(target: &crate::StoreTarget) -> std::path::PathBuf 
     }
 }
 
+/// Bounds of the business-metric sidecar (`[admin] business_metrics_max_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BusinessMetricsLimits {
+    /// Largest file size; an append that would pass it is refused whole.
+    pub max_bytes: u64,
+    /// Distinct business lines in the file; a value for a new line past it is refused.
+    pub max_lines: usize,
+}
+
+impl Default for BusinessMetricsLimits {
+    fn default() -> Self {
+        let a = crate::auth::AdminSection::default();
+        Self {
+            max_bytes: a.business_metrics_max_bytes,
+            max_lines: a.business_metrics_max_lines,
+        }
+    }
+}
+
+/// Why an append was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum BusinessMetricsError {
+    /// The file would pass `max_bytes`.
+    #[error("the business-metrics file holds {bytes} bytes; {adding} more would pass the cap of {max_bytes} bytes ([admin] business_metrics_max_bytes)")]
+    Full {
+        /// Current size.
+        bytes: u64,
+        /// Size of the refused values.
+        adding: u64,
+        /// The cap.
+        max_bytes: u64,
+    },
+    /// A new business line past `max_lines`.
+    #[error("the business-metrics file already holds {max_lines} distinct business lines; {line:?} would be one more ([admin] business_metrics_max_lines)")]
+    TooManyLines {
+        /// The first new line refused (≤ 128 bytes, validated).
+        line: String,
+        /// The cap.
+        max_lines: usize,
+    },
+    /// Reading or writing the file failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
 /// Appends business-metric points (one JSON object per line) to the sidecar file; one writer
 /// at a time. Called from the admin API on a blocking thread, never on the request path.
+///
+/// Invariant: the file never grows past `max_bytes` nor holds more than `max_lines` distinct
+/// business lines through this writer; an append is taken whole or refused whole. The size
+/// is read from the file at each append (an operator may rotate it); the distinct lines are
+/// read from it on the first append and again after it shrank.
 #[derive(Debug)]
 pub struct BusinessMetricsFile {
     path: std::path::PathBuf,
-    lock: Mutex<()>,
+    limits: BusinessMetricsLimits,
+    /// Distinct business lines in the file and the size they were read at (`None` until the
+    /// first append).
+    lines: Mutex<Option<(u64, std::collections::HashSet<String>)>>,
 }
 
 impl BusinessMetricsFile {
-    /// The sidecar at `path` (created on the first append).
+    /// The sidecar at `path` (created on the first append) with the default limits.
     pub fn new(path: std::path::PathBuf) -> Self {
+        Self::with_limits(path, BusinessMetricsLimits::default())
+    }
+
+    /// The sidecar at `path` with `limits`.
+    pub fn with_limits(path: std::path::PathBuf, limits: BusinessMetricsLimits) -> Self {
         Self {
             path,
-            lock: Mutex::new(()),
+            limits,
+            lines: Mutex::new(None),
         }
     }
 
@@ -369,24 +428,82 @@ impl BusinessMetricsFile {
         &self.path
     }
 
-    /// Appends `points` (already validated).
+    fn read_lines(&self) -> std::io::Result<std::collections::HashSet<String>> {
+        #[derive(serde::Deserialize)]
+        struct Line {
+            business_line: String,
+        }
+        let text = match std::fs::read(&self.path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e),
+        };
+        Ok(text
+            .split(|b| *b == b'\n')
+            .filter_map(|l| serde_json::from_slice::<Line>(l).ok())
+            .map(|l| l.business_line)
+            .collect())
+    }
+
+    /// Appends `points` (already validated), or refuses them all past a limit.
     pub fn append(
         &self,
         points: &[tokenscope_analysis::budget::BusinessMetricPoint],
-    ) -> std::io::Result<()> {
+    ) -> Result<(), BusinessMetricsError> {
         use std::io::Write;
         let mut buf = Vec::new();
         for p in points {
-            serde_json::to_writer(&mut buf, p)?;
+            serde_json::to_writer(&mut buf, p).map_err(std::io::Error::from)?;
             buf.push(b'\n');
         }
-        let _g = self.lock.lock();
+        let mut g = self.lines.lock();
+        let bytes = match std::fs::metadata(&self.path) {
+            Ok(m) => m.len(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+            Err(e) => return Err(e.into()),
+        };
+        if g.as_ref().is_none_or(|(at, _)| bytes < *at) {
+            *g = Some((bytes, self.read_lines()?));
+        }
+        let adding = buf.len() as u64;
+        if bytes.saturating_add(adding) > self.limits.max_bytes {
+            return Err(BusinessMetricsError::Full {
+                bytes,
+                adding,
+                max_bytes: self.limits.max_bytes,
+            });
+        }
+        let Some((at, known)) = g.as_mut() else {
+            return Err(std::io::Error::other("business lines not loaded").into());
+        };
+        let mut new_lines: Vec<&str> = points
+            .iter()
+            .map(|p| p.business_line.as_str())
+            .filter(|l| !known.contains(*l))
+            .collect();
+        new_lines.sort_unstable();
+        new_lines.dedup();
+        if known.len() + new_lines.len() > self.limits.max_lines {
+            let line = new_lines
+                .get(self.limits.max_lines.saturating_sub(known.len()))
+                .or(new_lines.first())
+                .map_or_else(String::new, |l| (*l).to_owned());
+            return Err(BusinessMetricsError::TooManyLines {
+                line,
+                max_lines: self.limits.max_lines,
+            });
+        }
         let mut f = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&self.path)?;
         f.write_all(&buf)?;
-        f.flush()
+        f.flush()?;
+        for l in new_lines {
+            known.insert(l.to_owned());
+        }
+        *at = bytes + adding;
+        Ok(())
     }
 }
 
@@ -394,6 +511,50 @@ impl BusinessMetricsFile {
 mod tests {
     use super::*;
     use tokenscope_analysis::ModelPrice;
+
+    #[test]
+    fn business_metrics_file_is_bounded_and_notices_rotation() {
+        use tokenscope_analysis::budget::BusinessMetricPoint;
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("bm.jsonl");
+        let f = BusinessMetricsFile::with_limits(
+            path.clone(),
+            BusinessMetricsLimits {
+                max_bytes: 400,
+                max_lines: 2,
+            },
+        );
+        let pt = |line: &str| BusinessMetricPoint {
+            business_line: line.into(),
+            at_us: 1,
+            value: 1.0,
+        };
+        f.append(&[pt("a"), pt("b")]).expect("two lines");
+        assert!(matches!(
+            f.append(&[pt("a"), pt("c")]),
+            Err(BusinessMetricsError::TooManyLines { max_lines: 2, .. })
+        ));
+        let size = std::fs::metadata(&path).expect("file").len();
+        let mut full = false;
+        for _ in 0..100 {
+            match f.append(&[pt("a")]) {
+                Ok(()) => {}
+                Err(BusinessMetricsError::Full { max_bytes: 400, .. }) => {
+                    full = true;
+                    break;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(full);
+        let len = std::fs::metadata(&path).expect("file").len();
+        assert!(len > size && len <= 400, "{len}");
+        // The operator rotates the file: room and lines are counted afresh.
+        std::fs::remove_file(&path).expect("rotate");
+        f.append(&[pt("c"), pt("d")]).expect("after rotation");
+        let text = std::fs::read_to_string(&path).expect("file");
+        assert_eq!(text.lines().count(), 2, "{text}");
+    }
 
     fn rec(model: &str, input: u64, output: u64) -> RequestRecord {
         RequestRecord {

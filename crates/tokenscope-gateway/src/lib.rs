@@ -6,7 +6,9 @@
 //! * `proxy` — the request path (measured endpoints and pass-through).
 //! * `body` — [`body::MeteredBody`], the response body wrapper that forwards and measures.
 //! * `recording` — the exactly-one-record guarantee ([`recording::RecordOut`]).
-//! * `admin` — `/metrics` and the admin API on a separate listener.
+//! * `admin` — `/metrics` and the admin API on a separate listener; [`auth`] — who may call
+//!   which admin route.
+//! * [`models`] — the models the upstreams serve, reserved as metric labels.
 //!
 //! Invariants (the hot-path/sink boundary):
 //! * The request path never awaits a store, an exporter or a lock held across I/O. A finished
@@ -19,11 +21,13 @@
 
 mod admin;
 pub mod alerting;
+pub mod auth;
 pub mod body;
 pub mod config;
 pub mod cost;
 pub mod dashboard;
 pub mod engine;
+pub mod models;
 mod proxy;
 pub mod recording;
 mod server;
@@ -751,6 +755,13 @@ impl Gateway {
         };
         let proxy = bind(cfg.listen.clone()).await?;
         let admin = bind(cfg.admin_listen.clone()).await?;
+        if let Some(w) = admin
+            .local_addr()
+            .ok()
+            .and_then(|a| auth::open_admin_warning(&cfg, a))
+        {
+            tracing::warn!("{w}");
+        }
 
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(cfg.connect_timeout()));
@@ -788,12 +799,26 @@ impl Gateway {
                 started_us,
             );
         }
+        // Model labels for the models the upstreams serve (config names now, `/v1/models` in
+        // the background): client-chosen names cannot push them into `other`.
+        let served: Vec<(String, Uri, Vec<String>, bool)> = upstreams
+            .iter()
+            .map(|u| {
+                let polled = u.cfg.scrape_interval_ms > 0;
+                (u.name.clone(), u.base.clone(), u.cfg.models.clone(), polled)
+            })
+            .collect();
+        models::start(metrics.clone(), &served).await;
         let shared = Arc::new(Shared {
             api_keys: cfg.api_key_map(),
             cost: cost::CostMeter::new(tokenscope_analysis::PriceTable::new(cfg.prices.clone())),
             budgets: budgets.clone(),
-            business_metrics: Arc::new(cost::BusinessMetricsFile::new(
+            business_metrics: Arc::new(cost::BusinessMetricsFile::with_limits(
                 cost::business_metrics_path(&target),
+                cost::BusinessMetricsLimits {
+                    max_bytes: cfg.admin.business_metrics_max_bytes,
+                    max_lines: cfg.admin.business_metrics_max_lines,
+                },
             )),
             cfg,
             client,

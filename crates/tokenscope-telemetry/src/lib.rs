@@ -7,8 +7,10 @@
 //! * Metrics are updated once per request, when its record is final ([`Metrics::observe`]),
 //!   plus the in-flight gauge at start/end. Nothing here is touched per streamed chunk.
 //! * No label takes unbounded values: request ids never appear; users become a `user_bucket`
-//!   ([`UserLabeler`]); models beyond `max_models` distinct names become `other`
-//!   ([`ModelLabeler`]).
+//!   ([`UserLabeler`]); models beyond `max_models` distinct names become `other`, the models
+//!   the upstreams serve reserved first ([`ModelLabeler`]); no label value is longer than
+//!   [`MAX_NAME_LABEL_BYTES`] ([`MAX_USER_LABEL_BYTES`] for users) nor holds a control
+//!   character — longer or odd values are replaced by a marked hash ([`bounded_label`]).
 //! * Names follow R2/R4 of the requirements: `llm_request_latency_seconds{model,request_type,status}`,
 //!   `llm_ttft_seconds{model,input_bucket}`, `llm_tpot_seconds{model}`,
 //!   `llm_tokens_total{model,token_type,user_bucket}`, `llm_requests_total{model,request_type,status}`,
@@ -21,7 +23,10 @@
 
 mod labels;
 
-pub use labels::{ModelLabeler, UserLabelMode, UserLabeler};
+pub use labels::{
+    bounded_label, ModelLabeler, UserLabelMode, UserLabeler, MAX_NAME_LABEL_BYTES,
+    MAX_USER_LABEL_BYTES,
+};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -592,6 +597,13 @@ impl Metrics {
     /// The bounded label for a model name.
     pub fn model_label(&self, model: &str) -> String {
         self.models.label(model)
+    }
+
+    /// Reserves model labels for the models the upstreams serve (config names, their
+    /// `/v1/models`): client-chosen names cannot take them ([`ModelLabeler`]). Returns how
+    /// many were newly reserved.
+    pub fn reserve_models<S: AsRef<str>>(&self, names: impl IntoIterator<Item = S>) -> usize {
+        self.models.reserve(names)
     }
 
     /// Marks a request as started; the returned guard decrements `llm_requests_in_flight` when

@@ -168,6 +168,17 @@ impl GatewayProc {
         let resp = client().request(req).await.expect("POST /api/flush");
         assert_eq!(resp.status(), 200, "flush");
     }
+
+    /// [`GatewayProc::flush`] on a gateway with an admin token (`[dashboard] token`): the
+    /// write routes need it.
+    pub async fn flush_with_token(&self, token: &str) {
+        let req = http::Request::post(format!("http://{}/api/flush", self.admin))
+            .header("authorization", format!("Bearer {token}"))
+            .body(Full::new(Bytes::new()))
+            .expect("request");
+        let resp = client().request(req).await.expect("POST /api/flush");
+        assert_eq!(resp.status(), 200, "flush");
+    }
 }
 
 impl Drop for GatewayProc {

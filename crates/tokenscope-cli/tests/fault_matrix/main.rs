@@ -8,10 +8,11 @@
 //! outage, SIGKILL) live in `gateway_faults.rs`, `gateway_behaviour.rs` and
 //! `clickhouse_store.rs` and keep running beside these.
 
+mod admin;
 #[path = "../common/mod.rs"]
 mod common;
 mod exhaustion;
+mod leaks;
 #[path = "../llama/mod.rs"]
-#[allow(dead_code)]
-mod llama;
+mod llama; // (its own `#![allow(dead_code)]`; a second one here fails clippy)
 mod shutdown;

@@ -12,9 +12,10 @@
 //!   thread (a read-only SQLite connection, or ClickHouse over HTTP) plus the in-memory ring of
 //!   recent records (records not yet written are shown too, each request once). At most
 //!   [`MAX_CONCURRENT_QUERIES`] page queries run at once; more wait for a permit.
-//! * With `[dashboard] token` set, every `/api/dashboard/*` and `/api/requests*` call needs
-//!   `Authorization: Bearer <token>` (compared in constant time, never logged); the static page
-//!   holds no data and stays open. `/metrics` and `/healthz` are never behind the token.
+//! * With `[dashboard] token` (the admin token) set, every `/api/dashboard/*` and
+//!   `/api/requests*` call needs `Authorization: Bearer <token>` (`crate::auth`: scheme in any
+//!   case, compared in constant time, never logged); the static page holds no data and stays
+//!   open. `/healthz` is never behind a token; `/metrics` only with `[admin] metrics_auth`.
 //! * A slow request links to its trace only when the tail sampler kept it: the gateway
 //!   remembers the last [`KEPT_TRACES`] kept trace ids.
 
@@ -103,8 +104,9 @@ impl KeptTraces {
 pub struct DashboardSection {
     /// Serve the dashboard and its API at `/` of the admin listener.
     pub enabled: bool,
-    /// Bearer token required by the dashboard API and `/api/requests*` (none = open; the
-    /// admin listener is on localhost by default).
+    /// The admin token: required by the dashboard API, `/api/requests*`, the write routes and
+    /// (unless `[admin] ingest_token` is given) `/v1/traces` (none = open; the admin listener
+    /// is on localhost by default). See `crate::auth`.
     pub token: Option<String>,
     /// Link template for a kept trace, e.g. `http://jaeger:16686/trace/{trace_id}`.
     pub trace_url: Option<String>,
@@ -174,39 +176,16 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
         .into_response()
 }
 
-/// Whether the request may read dashboard data (`[dashboard] token`).
-pub(crate) fn authorized(shared: &Shared, headers: &HeaderMap) -> bool {
-    let Some(token) = shared.cfg.dashboard.token.as_deref() else {
-        return true;
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    constant_time_eq(given.as_bytes(), token.as_bytes())
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-pub(crate) fn unauthorized() -> Response {
-    (
-        StatusCode::UNAUTHORIZED,
-        [(header::WWW_AUTHENTICATE, "Bearer")],
-        "a bearer token is required ([dashboard] token)",
-    )
-        .into_response()
+/// `None` when the request may read dashboard data (the admin token, `crate::auth`), else
+/// the 401 answer.
+pub(crate) fn refused(shared: &Shared, headers: &HeaderMap) -> Option<Response> {
+    crate::auth::check(&shared.cfg, crate::auth::Access::Read, headers)
 }
 
 /// What the page needs before its first query.
 async fn config(State(s): State<DashState>, headers: HeaderMap) -> Response {
-    if !authorized(&s.shared, &headers) {
-        return unauthorized();
+    if let Some(r) = refused(&s.shared, &headers) {
+        return r;
     }
     let d = &s.shared.cfg.dashboard;
     Json(serde_json::json!({
@@ -238,8 +217,8 @@ async fn page(
     headers: HeaderMap,
     Query(q): Query<PageQuery>,
 ) -> Response {
-    if !authorized(&s.shared, &headers) {
-        return unauthorized();
+    if let Some(r) = refused(&s.shared, &headers) {
+        return r;
     }
     if !matches!(page.as_str(), "overview" | "performance" | "cost") {
         return (StatusCode::NOT_FOUND, "pages: overview, performance, cost").into_response();
@@ -415,13 +394,5 @@ mod tests {
         assert_eq!(k.kept(10, "0a"), None);
         let last = format!("{:032x}", 1000 + KEPT_TRACES - 1);
         assert_eq!(k.kept(100 + KEPT_TRACES as i64 - 1, &last), Some(true));
-    }
-
-    #[test]
-    fn constant_time_eq_compares_whole_tokens() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"abcd"));
-        assert!(constant_time_eq(b"", b""));
     }
 }

@@ -84,6 +84,7 @@ fn full_record(id: &str) -> RequestRecord {
         gpu_utilization: Some(0.9375),
         gpu_memory_bandwidth: Some(0.625),
         cost_usd: Some(0.001_234_5),
+        client_request_id: Some("client-id".to_owned()),
     }
 }
 

@@ -349,6 +349,12 @@ impl PipelineObserver for MetricsObserver {
     fn on_spooled(&self, rows: usize) {
         self.0.records_spooled(rows as u64);
     }
+    fn on_duplicate(&self, rows: usize, replayed: bool) {
+        self.0.records_duplicate(rows as u64, replayed);
+    }
+    fn on_store_reopened(&self, change: tokenscope_store::FileChange) {
+        self.0.store_reopened(change.as_str());
+    }
     fn on_store_error(&self, class: ErrorClass, _err: &StoreError) {
         self.0.store_error(class.as_str());
     }
@@ -361,6 +367,7 @@ impl PipelineObserver for MetricsObserver {
     fn on_spool_state(&self, st: SpoolState) {
         self.0
             .spool_state(st.bytes, st.batches, st.oldest_age, st.store_up);
+        self.0.records_held(st.held_rows);
     }
     fn on_update_unmatched(
         &self,

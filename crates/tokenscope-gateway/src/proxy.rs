@@ -32,8 +32,12 @@ use tokenscope_core::prompt::{estimate_tokens, normalised_prompt, prompt_hash};
 use tokenscope_core::sse::EventSplitter;
 use tokenscope_core::{Endpoint, InputBucket, Outcome, RequestRecord};
 
-/// Header carrying the request id (in and out).
+/// Header carrying the client's request id (in, forwarded to the engine unchanged, and out):
+/// the client's own when it sent a valid one, the gateway's otherwise.
 pub const REQUEST_ID: &str = "x-request-id";
+/// Response header carrying the gateway's own request id: the store's key (`request_id`),
+/// always a UUIDv7 the gateway generated, whatever the client sent.
+pub const TOKENSCOPE_REQUEST_ID: &str = "x-tokenscope-request-id";
 /// Response header carrying the trace id.
 pub const TRACE_ID: &str = "x-tokenscope-trace-id";
 const H_USER: &str = "x-tokenscope-user";
@@ -118,9 +122,15 @@ fn copy_response_headers(src: &HeaderMap, dst: &mut HeaderMap, drop_length: bool
     }
 }
 
-fn set_ids(h: &mut HeaderMap, request_id: &str, trace_id: &str) {
-    if let Ok(v) = HeaderValue::from_str(request_id) {
+/// The response's id headers: `x-request-id` = `shown_id` (the client's own id when it sent
+/// one, ours otherwise), `x-tokenscope-request-id` = `key` (ours, the store's key), and the
+/// trace id.
+fn set_ids(h: &mut HeaderMap, shown_id: &str, key: &str, trace_id: &str) {
+    if let Ok(v) = HeaderValue::from_str(shown_id) {
         h.insert(HeaderName::from_static(REQUEST_ID), v);
+    }
+    if let Ok(v) = HeaderValue::from_str(key) {
+        h.insert(HeaderName::from_static(TOKENSCOPE_REQUEST_ID), v);
     }
     if let Ok(v) = HeaderValue::from_str(trace_id) {
         h.insert(HeaderName::from_static(TRACE_ID), v);
@@ -146,15 +156,22 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     let created_at = now_us();
     let (parts, body) = req.into_parts();
     let endpoint = Endpoint::from_path(parts.uri.path()).unwrap_or_default();
-    let request_id = header_str(&parts.headers, REQUEST_ID)
+    // The key is always ours: a client's id is data (a reused or forged one must neither
+    // collapse rows nor suppress another client's row). The client's id travels on unchanged.
+    let request_id = uuid::Uuid::now_v7().to_string();
+    let client_request_id = header_str(&parts.headers, REQUEST_ID)
         .filter(|s| valid_request_id(s))
-        .map_or_else(|| uuid::Uuid::now_v7().to_string(), str::to_owned);
+        .map(str::to_owned);
+    let shown_id = client_request_id
+        .clone()
+        .unwrap_or_else(|| request_id.clone());
     let trace = tokenscope_trace::RequestTrace::start(header_str(&parts.headers, "traceparent"));
     let trace_id = trace.trace_id_hex();
     let traceparent = trace.upstream_traceparent();
 
     let rec = RequestRecord {
         request_id: request_id.clone(),
+        client_request_id,
         trace_id: trace_id.clone(),
         created_at,
         endpoint,
@@ -192,7 +209,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
-        return too_large(guard, limit, &request_id, &trace_id);
+        return too_large(guard, limit, &shown_id, &request_id, &trace_id);
     }
     let body_bytes = match http_body_util::Limited::new(body, limit).collect().await {
         Ok(c) => c.to_bytes(),
@@ -200,7 +217,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some()
             {
-                return too_large(guard, limit, &request_id, &trace_id);
+                return too_large(guard, limit, &shown_id, &request_id, &trace_id);
             }
             guard.finish(
                 Instant::now(),
@@ -327,7 +344,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         if let Ok(v) = HeaderValue::from_str(&traceparent) {
             h.insert(HeaderName::from_static("traceparent"), v);
         }
-        if let Ok(v) = HeaderValue::from_str(&request_id) {
+        if let Ok(v) = HeaderValue::from_str(&shown_id) {
             h.insert(HeaderName::from_static(REQUEST_ID), v);
         }
         h.insert(
@@ -362,7 +379,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
                 "upstream_timeout",
                 "the upstream did not answer in time",
             );
-            set_ids(r.headers_mut(), &request_id, &trace_id);
+            set_ids(r.headers_mut(), &shown_id, &request_id, &trace_id);
             return r;
         }
         Ok(Err(e)) => {
@@ -377,7 +394,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
                 kind,
                 &format!("upstream {}: {e}", upstream.name),
             );
-            set_ids(r.headers_mut(), &request_id, &trace_id);
+            set_ids(r.headers_mut(), &shown_id, &request_id, &trace_id);
             return r;
         }
         Ok(Ok(r)) => r,
@@ -421,11 +438,17 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     let mut out = Response::new(Body::new(metered));
     *out.status_mut() = rparts.status;
     copy_response_headers(&rparts.headers, out.headers_mut(), drop_length);
-    set_ids(out.headers_mut(), &request_id, &trace_id);
+    set_ids(out.headers_mut(), &shown_id, &request_id, &trace_id);
     out
 }
 
-fn too_large(mut guard: RecordGuard, limit: usize, request_id: &str, trace_id: &str) -> Response {
+fn too_large(
+    mut guard: RecordGuard,
+    limit: usize,
+    shown_id: &str,
+    request_id: &str,
+    trace_id: &str,
+) -> Response {
     if let Some(p) = guard.get() {
         p.rec.http_status = 413;
     }
@@ -438,7 +461,7 @@ fn too_large(mut guard: RecordGuard, limit: usize, request_id: &str, trace_id: &
         "body_too_large",
         &format!("request body exceeds {limit} bytes"),
     );
-    set_ids(r.headers_mut(), request_id, trace_id);
+    set_ids(r.headers_mut(), shown_id, request_id, trace_id);
     r
 }
 

@@ -754,6 +754,7 @@ fn spawn(
             held_rows: 0,
         }),
         hold_cap: cfg.capacity,
+        warned_hold: AtomicBool::new(false),
         state: Mutex::new(SpoolState::default()),
         jobs: job_tx,
         shared: Arc::clone(&shared),
@@ -884,6 +885,8 @@ struct Link {
     has_spool: bool,
     /// Most rows held in memory when neither the sink nor the spool takes them.
     hold_cap: usize,
+    /// A failed spool append was logged since nothing was last held.
+    warned_hold: AtomicBool,
 }
 
 fn now_ms() -> u64 {
@@ -980,8 +983,9 @@ impl Link {
                 Err(SpoolFail::Full)
             }
             Err(e) => {
-                if d.held.is_empty() {
-                    tracing::error!(error = %e, rows = batch.records.len(), "could not write to the tokenscope spool; batches are held in memory and retried (store first, then spool)");
+                // Logged once per episode (until nothing is held any more), then only counted.
+                if !self.warned_hold.swap(true, Ordering::Relaxed) {
+                    tracing::error!(error = %e, rows = batch.records.len(), "could not write to the tokenscope spool; batches are held in memory (up to the pipeline capacity) and retried, store first, then spool");
                 }
                 Err(SpoolFail::Io)
             }
@@ -1323,7 +1327,9 @@ impl Sender {
                         if !d.healthy && d.spool.as_ref().is_none_or(Spool::is_empty) {
                             // Everything held was taken and nothing waits in the spool.
                             d.healthy = true;
-                            tracing::info!("tokenscope store and spool take writes again; nothing is held in memory");
+                        }
+                        if self.link.warned_hold.swap(false, Ordering::Relaxed) {
+                            tracing::info!("tokenscope: every batch held in memory was delivered (store or spool)");
                         }
                         self.link.publish(&d);
                         return;

@@ -90,7 +90,8 @@ use std::time::{Duration, Instant};
 
 use rusqlite::types::Type;
 use rusqlite::{
-    params, Connection, OpenFlags, OptionalExtension, Row, Statement, ToSql, TransactionBehavior,
+    params, Connection, ErrorCode, OpenFlags, OptionalExtension, Row, Statement, ToSql,
+    TransactionBehavior,
 };
 use tokenscope_core::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
@@ -325,8 +326,29 @@ impl SqliteStore {
                 std::fs::create_dir_all(parent)?;
             }
         }
-        let conn = Connection::open(path)?;
-        let mut store = Self::configure_writer(conn, path.to_path_buf())?;
+        let not_writable = |e: StoreError| match e {
+            StoreError::Sqlite(rusqlite::Error::SqliteFailure(f, _))
+                if matches!(
+                    f.code,
+                    ErrorCode::CannotOpen
+                        | ErrorCode::ReadOnly
+                        | ErrorCode::PermissionDenied
+                        | ErrorCode::SystemIoFailure
+                        | ErrorCode::DiskFull
+                ) =>
+            {
+                StoreError::NotWritable {
+                    path: path.to_path_buf(),
+                    cause: format!(
+                        "{e} (SQLite must write the file and create its -wal and -shm files \
+                         beside it)"
+                    ),
+                }
+            }
+            other => other,
+        };
+        let conn = Connection::open(path).map_err(|e| not_writable(e.into()))?;
+        let mut store = Self::configure_writer(conn, path.to_path_buf()).map_err(not_writable)?;
         store.probe_write()?;
         store.file_id = file_id(path).ok();
         Ok(store)

@@ -545,7 +545,7 @@ async fn attribution_headers_body_user_and_api_keys() {
     assert_eq!(rows.len(), cases.len());
     let keyed = rows
         .iter()
-        .find(|r| r["request_id"] == "attr-key")
+        .find(|r| r["client_request_id"] == "attr-key")
         .expect("row attr-key");
     assert_eq!(
         (&keyed["tenant"], &keyed["business_line"]),

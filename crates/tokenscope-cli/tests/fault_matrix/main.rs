@@ -11,6 +11,5 @@
 #[path = "../common/mod.rs"]
 mod common;
 #[path = "../llama/mod.rs"]
-#[allow(dead_code)]
 mod llama;
 mod store;

@@ -30,14 +30,29 @@
 //!   is spooled after the batches spooled meanwhile (order is only per-batch FIFO: rows are
 //!   keyed, and an engine update that overtakes its row waits for it in the sink).
 //! * **Every record is accounted for.** Each record passed to `record` ends up in exactly one
-//!   of: *written* (the sink accepted its batch, possibly after a replay), *dropped* (queue
-//!   full or pipeline closed — [`PipelineObserver::on_dropped`], [`Recorder::dropped`]),
-//!   *spooled* and still on disk (replayed later or on the next start), or *lost*
+//!   of: *written* (the sink inserted it, possibly after a replay — [`Recorder::written`]
+//!   counts rows the store really added), *duplicate* (the sink already held a row with its
+//!   `request_id`: a replay of a batch it had taken — [`Recorder::duplicates`],
+//!   [`PipelineObserver::on_duplicate`]), *dropped* (queue full or pipeline closed —
+//!   [`PipelineObserver::on_dropped`], [`Recorder::dropped`]), *spooled* and still on disk
+//!   (replayed later or on the next start), *held* in memory (below), or *lost*
 //!   ([`PipelineObserver::on_lost`], [`Recorder::lost`]) for one of the [`LossReason`]s: the
-//!   spool is full (its cap is hit) or failed, there is no spool and the batch failed every
-//!   retry, or the store rejected the batch's data itself ([`ErrorClass::Rejected`]) on every
-//!   attempt. With a spool and a store that eventually accepts the data, nothing is lost
-//!   unless the spool cap is hit.
+//!   spool is full (its cap is hit), a batch could not be encoded or a spooled one decoded,
+//!   there is no spool and the batch failed every retry, the store rejected the batch's data
+//!   itself ([`ErrorClass::Rejected`]) on every attempt, the in-memory hold was full, or the
+//!   shutdown deadline passed while a batch was held. With a spool and a store that
+//!   eventually accepts the data, nothing is lost unless the spool cap or the hold bound is
+//!   hit.
+//! * **A failing disk holds, it does not lose.** A batch the spool cannot take because the
+//!   disk refuses the write (full, I/O error) — after the store refused it too, or while the
+//!   store is marked failing — is *held* in memory ([`SpoolState::held_rows`]), at most
+//!   [`PipelineConfig::capacity`] rows (records + updates) in all; beyond that bound a batch
+//!   is lost ([`LossReason::HoldFull`]). The sender retries held batches oldest first with
+//!   exponential backoff (100 ms doubling up to [`PipelineConfig::retry_backoff_max`]): the
+//!   sink first (when nothing spooled waits before them), then the spool. At shutdown it
+//!   keeps retrying until shortly before the deadline; what is still held then is lost
+//!   ([`LossReason::Shutdown`]). New batches are not sent straight to the sink while
+//!   anything is held.
 //! * Only the first drop is logged (`warn`); later ones are only counted, so a saturated
 //!   pipeline cannot flood the logs. Store errors are logged when their class changes and
 //!   then at most every 30 s while they persist; recovery is logged once.
@@ -586,8 +601,9 @@ pub struct ShutdownReport {
 }
 
 impl PipelineHandle {
-    /// Forces a flush of everything queued so far and waits until it is written or safely
-    /// spooled (after at most one replay attempt of the spool). Blocking: for tests and the
+    /// Forces a flush of everything queued so far and waits until it is written, safely
+    /// spooled or held in memory because neither the store nor the spool takes it (after at
+    /// most one replay attempt of the spool). Blocking: for tests and the
     /// admin API, never the request path.
     pub fn flush(&self) {
         let (ack_tx, ack_rx) = mpsc::sync_channel(1);

@@ -16,8 +16,21 @@
 //! * The database runs in WAL mode with `synchronous=NORMAL` and a busy timeout, so one
 //!   writer (the gateway's pipeline thread) and any number of readers (reports, opened with
 //!   [`SqliteStore::open_read_only`]) coexist without blocking each other.
-//! * Rows are keyed by `request_id` and inserted with `INSERT OR IGNORE`: re-inserting a
-//!   batch (a retry after an ambiguous failure) never doubles a row.
+//! * Rows are keyed by `request_id` (the gateway's own UUIDv7, never the client's
+//!   `x-request-id`, which is the `client_request_id` column) and inserted with
+//!   `INSERT OR IGNORE`: re-inserting a batch (a retry after an ambiguous failure, a spool
+//!   replay) never doubles a row, and [`SqliteStore::insert_batch`] returns how many rows
+//!   were really added.
+//! * [`SqliteStore::open`] proves the file writable with a real write (a committed header
+//!   update) and refuses it otherwise ([`StoreError::NotWritable`], naming the path and the
+//!   cause): a store SQLite could only open read-only is never accepted.
+//! * The writer compares `stat(path)` (device, inode) with the file it opened before every
+//!   write (one system call): when the file was unlinked or replaced, it closes the old
+//!   connection, removes the stale `-wal` / `-shm` beside the path (SQLite would replay the
+//!   old file's pages into the new one), opens the path again (created and migrated) and
+//!   reports the reopen ([`SqliteStore::take_reopened`]). A batch committed while the file
+//!   was being replaced (detected by the same check right after the commit) is written again
+//!   into the new file. Rows written to the old file before the unlink stay in it.
 //! * [`SqliteStore::insert_batch`] writes a whole batch in one transaction (cached
 //!   multi-row prepared statements, 32 rows each, then the remainder row by row): a batch
 //!   is all-or-nothing.

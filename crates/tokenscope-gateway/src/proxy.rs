@@ -137,6 +137,12 @@ fn set_ids(h: &mut HeaderMap, shown_id: &str, key: &str, trace_id: &str) {
     }
 }
 
+/// `r` with the id headers of [`set_ids`].
+fn with_ids(mut r: Response, shown_id: &str, key: &str, trace_id: &str) -> Response {
+    set_ids(r.headers_mut(), shown_id, key, trace_id);
+    r
+}
+
 /// The API key presented by the client, if any (`Authorization: Bearer`, `x-api-key`, `api-key`).
 fn api_key(h: &HeaderMap) -> Option<&str> {
     header_str(h, "authorization")
@@ -223,10 +229,15 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
                 Instant::now(),
                 Some((Outcome::Cancelled, "client_body_error")),
             );
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "client_body_error",
-                "could not read the request body",
+            return with_ids(
+                error_response(
+                    StatusCode::BAD_REQUEST,
+                    "client_body_error",
+                    "could not read the request body",
+                ),
+                &shown_id,
+                &request_id,
+                &trace_id,
             );
         }
     };
@@ -299,10 +310,15 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
             Instant::now(),
             Some((Outcome::UpstreamError, "no_upstream")),
         );
-        return error_response(
-            StatusCode::BAD_GATEWAY,
-            "no_upstream",
-            "no upstream is configured for this model",
+        return with_ids(
+            error_response(
+                StatusCode::BAD_GATEWAY,
+                "no_upstream",
+                "no upstream is configured for this model",
+            ),
+            &shown_id,
+            &request_id,
+            &trace_id,
         );
     };
     if let Some(p) = guard.get() {
@@ -332,7 +348,12 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         Ok(u) => u,
         Err(e) => {
             guard.finish(Instant::now(), Some((Outcome::ClientError, "bad_uri")));
-            return error_response(StatusCode::BAD_REQUEST, "bad_uri", &e.to_string());
+            return with_ids(
+                error_response(StatusCode::BAD_REQUEST, "bad_uri", &e.to_string()),
+                &shown_id,
+                &request_id,
+                &trace_id,
+            );
         }
     };
     let mut up = http::Request::builder()
@@ -356,7 +377,12 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         Ok(r) => r,
         Err(e) => {
             guard.finish(Instant::now(), Some((Outcome::ClientError, "bad_request")));
-            return error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string());
+            return with_ids(
+                error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string()),
+                &shown_id,
+                &request_id,
+                &trace_id,
+            );
         }
     };
 

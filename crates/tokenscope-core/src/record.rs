@@ -24,16 +24,20 @@ pub enum Outcome {
     Timeout,
     /// The client went away before the response was complete.
     Cancelled,
+    /// The gateway shut down before the response was complete (cut at the end of
+    /// `shutdown_grace_ms`; the record has the tokens seen so far).
+    Shutdown,
 }
 
 impl Outcome {
     /// Every variant, in a stable order.
-    pub const ALL: [Outcome; 5] = [
+    pub const ALL: [Outcome; 6] = [
         Outcome::Ok,
         Outcome::ClientError,
         Outcome::UpstreamError,
         Outcome::Timeout,
         Outcome::Cancelled,
+        Outcome::Shutdown,
     ];
 
     /// The stable lower-case name used in the store and as a metric label.
@@ -44,6 +48,7 @@ impl Outcome {
             Outcome::UpstreamError => "upstream_error",
             Outcome::Timeout => "timeout",
             Outcome::Cancelled => "cancelled",
+            Outcome::Shutdown => "shutdown",
         }
     }
 

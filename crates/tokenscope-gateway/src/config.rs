@@ -358,6 +358,50 @@ pub struct ApiKeyConfig {
     pub business_line: Option<String>,
 }
 
+/// `[limits]`: what one client can hold of the gateway (docs/operations.md lists each limit,
+/// its default and what a client sees when it hits it).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsSection {
+    /// Open client connections of the proxy listener at most; 0 = from the open-file limit
+    /// (each proxied request also holds an upstream socket): `(nofile − 64 −
+    /// admin_max_connections) / 2`. At the cap the connection reusable for longest (no request
+    /// in flight: still sending headers, or idle keep-alive) is closed for the new one; when
+    /// every connection has a request in flight the new one gets `503`.
+    pub max_connections: usize,
+    /// The same for the admin listener (`/metrics`, `/healthz`, dashboard, OTLP receiver).
+    pub admin_max_connections: usize,
+    /// Time for a request's headers, from the connection's start or the end of the previous
+    /// response (so also the keep-alive idle timeout); beyond it the connection is closed
+    /// (`408` if some of the head arrived).
+    pub header_timeout_ms: u64,
+    /// Time to read a measured request's body; beyond it `408` (and a `client_error` record).
+    pub body_timeout_ms: u64,
+    /// Longest a write to a client may make no progress (the client stopped reading); beyond
+    /// it the connection is closed, the upstream request cancelled and the record says
+    /// `client_write_timeout`. 0 = unlimited.
+    pub client_write_timeout_ms: u64,
+    /// Largest request head (request line + headers) in bytes; beyond it `431`.
+    pub max_header_bytes: usize,
+    /// Longest attribution value kept (user, tenant, business line, request type, model);
+    /// longer values are cut at a character boundary and end in `…[truncated]`.
+    pub max_attribution_bytes: usize,
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        Self {
+            max_connections: 0,
+            admin_max_connections: 64,
+            header_timeout_ms: 60_000,
+            body_timeout_ms: 60_000,
+            client_write_timeout_ms: 60_000,
+            max_header_bytes: 64 * 1024,
+            max_attribution_bytes: 256,
+        }
+    }
+}
+
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -430,6 +474,8 @@ pub struct GatewayConfig {
     pub budgets: Vec<tokenscope_analysis::budget::BudgetConfig>,
     /// The built-in dashboard (`[dashboard]`).
     pub dashboard: crate::dashboard::DashboardSection,
+    /// Connection caps, client timeouts and size limits (`[limits]`).
+    pub limits: LimitsSection,
 }
 
 impl Default for GatewayConfig {
@@ -463,6 +509,7 @@ impl Default for GatewayConfig {
             prices: Vec::new(),
             budgets: Vec::new(),
             dashboard: crate::dashboard::DashboardSection::default(),
+            limits: LimitsSection::default(),
         }
     }
 }
@@ -577,6 +624,19 @@ impl GatewayConfig {
                 self.worker_priority
             )));
         }
+        let l = &self.limits;
+        if l.admin_max_connections == 0
+            || l.header_timeout_ms == 0
+            || l.body_timeout_ms == 0
+            || l.max_header_bytes < 1024
+            || l.max_attribution_bytes < 16
+        {
+            return Err(ConfigError::Invalid(
+                "limits: admin_max_connections, header_timeout_ms and body_timeout_ms must be > 0, \
+                 max_header_bytes ≥ 1024, max_attribution_bytes ≥ 16"
+                    .into(),
+            ));
+        }
         if self.max_body_bytes == 0 || self.pipeline.capacity == 0 || self.pipeline.batch_size == 0
         {
             return Err(ConfigError::Invalid(
@@ -669,6 +729,7 @@ const ENV_TABLES: &[&str] = &[
     "tracing",
     "alerts",
     "dashboard",
+    "limits",
 ];
 
 fn parse_scalar(v: &str) -> toml::Value {

@@ -26,6 +26,7 @@ pub mod dashboard;
 pub mod engine;
 mod proxy;
 pub mod recording;
+mod server;
 mod upconn;
 
 pub use config::{ConfigError, DurationSetting, GatewayConfig, TracingSection, UpstreamConfig};
@@ -130,6 +131,12 @@ pub(crate) struct Shared {
     alerting: alerting::Alerting,
     /// Trace ids the tail sampler kept recently (the dashboard's trace links).
     kept_traces: dashboard::KeptTraces,
+    /// Set when the shutdown grace period is over: requests cut from then on are recorded as
+    /// `shutdown`, not `cancelled`.
+    shutting_down: std::sync::atomic::AtomicBool,
+    /// Records whose finishing waits for a tokenizer count (`recording::finalize`); shutdown
+    /// waits for them before it drains the store pipeline.
+    finishing: tokio_util::task::TaskTracker,
 }
 
 /// The trace side of the gateway: decisions on the request path, export on its own task.
@@ -556,6 +563,29 @@ pub struct Gateway {
     proxy: tokio::net::TcpListener,
     admin: tokio::net::TcpListener,
     pipeline: PipelineHandle,
+    /// The background runtime (see [`background_runtime`]).
+    bg: tokio::runtime::Runtime,
+    proxy_conns: Arc<server::Connections>,
+    admin_conns: Arc<server::Connections>,
+}
+
+/// The runtime of everything that is not a proxied request: the admin listener (dashboard,
+/// `/metrics`, OTLP receiver), engine-state and GPU scrapers, alert evaluation and trace
+/// export. One worker thread at nice `worker_priority` + 10 (at least 10; raising one's own nice value needs no privilege),
+/// so under contention the kernel favours the request path's threads.
+fn background_runtime(worker_priority: i32) -> Result<tokio::runtime::Runtime, GatewayError> {
+    let nice = (worker_priority + 10).clamp(10, 19);
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(4)
+        .thread_name("tokenscope-bg")
+        // On Linux the nice value is per thread (PRIO_PROCESS of the calling thread).
+        .on_thread_start(move || {
+            let _ = rustix::process::setpriority_process(None, nice);
+        })
+        .enable_all()
+        .build()
+        .map_err(GatewayError::Serve)
 }
 
 /// What shutdown did.
@@ -563,6 +593,10 @@ pub struct Gateway {
 pub struct ShutdownSummary {
     /// In-flight requests did not finish within the grace period and were cut.
     pub cut_in_flight: bool,
+    /// Requests in flight when the shutdown signal came.
+    pub in_flight_at_signal: usize,
+    /// Requests cut at the end of the grace period (each recorded as `shutdown`).
+    pub cut: usize,
     /// The store pipeline's report.
     pub store: ShutdownReport,
 }
@@ -571,86 +605,99 @@ impl Gateway {
     /// Opens the store, binds both listeners (port 0 allowed) and prepares the proxy.
     pub async fn bind(cfg: GatewayConfig) -> Result<Self, GatewayError> {
         cfg.validate()?;
-        let mut metrics = Metrics::new(MetricsConfig {
-            max_models: cfg.metrics.max_models,
-            max_request_types: cfg.metrics.max_request_types,
-            max_business_lines: cfg.metrics.max_business_lines,
-            user_label: match cfg.metrics.user_label {
-                config::UserLabel::Hash => UserLabelMode::Hash {
-                    buckets: cfg.metrics.user_buckets,
+        // Background work (engine-state and GPU scrapers, alert evaluation, trace export and
+        // later the admin listener) runs on its own runtime: a dashboard page or a large OTLP
+        // body never waits in line with a request (docs/operations.md).
+        let bg = background_runtime(cfg.worker_priority)?;
+        let (metrics, upstreams, gpu, alerting, tracing, conn_metrics) = {
+            let _bg = bg.enter();
+            let mut metrics = Metrics::new(MetricsConfig {
+                max_models: cfg.metrics.max_models,
+                max_request_types: cfg.metrics.max_request_types,
+                max_business_lines: cfg.metrics.max_business_lines,
+                user_label: match cfg.metrics.user_label {
+                    config::UserLabel::Hash => UserLabelMode::Hash {
+                        buckets: cfg.metrics.user_buckets,
+                    },
+                    config::UserLabel::TopK => UserLabelMode::TopK {
+                        k: cfg.metrics.user_top_k,
+                    },
                 },
-                config::UserLabel::TopK => UserLabelMode::TopK {
-                    k: cfg.metrics.user_top_k,
-                },
-            },
-        });
-        // Engine and GPU state: background scrapers, read lock-free at request arrival.
-        let mut states = Vec::new();
-        let mut upstreams = Vec::new();
-        for u in &cfg.upstreams {
-            let base: Uri = u
-                .url
-                .parse()
-                .map_err(|e| ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)))?;
-            let state = if u.scrape_interval_ms > 0 {
-                let kind = match u.kind.name() {
-                    None => KindHint::Auto,
-                    Some(k) => k.parse::<KindHint>().unwrap_or_default(),
-                };
-                let target = EngineTarget {
-                    name: u.name.clone(),
-                    base_url: u.url.clone(),
-                    metrics_url: u.metrics_url.clone(),
-                    kind,
-                };
-                let scrape = ScrapeConfig {
-                    interval: Duration::from_millis(u.scrape_interval_ms),
-                    ..ScrapeConfig::default()
-                };
-                match EngineStateHandle::spawn(target, scrape) {
-                    Ok(h) => Some(h),
-                    Err(e) => {
-                        return Err(
-                            ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)).into()
-                        )
+            });
+            // Engine and GPU state: background scrapers, read lock-free at request arrival.
+            let mut states = Vec::new();
+            let mut upstreams = Vec::new();
+            for u in &cfg.upstreams {
+                let base: Uri = u
+                    .url
+                    .parse()
+                    .map_err(|e| ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)))?;
+                let state = if u.scrape_interval_ms > 0 {
+                    let kind = match u.kind.name() {
+                        None => KindHint::Auto,
+                        Some(k) => k.parse::<KindHint>().unwrap_or_default(),
+                    };
+                    let target = EngineTarget {
+                        name: u.name.clone(),
+                        base_url: u.url.clone(),
+                        metrics_url: u.metrics_url.clone(),
+                        kind,
+                    };
+                    let scrape = ScrapeConfig {
+                        interval: Duration::from_millis(u.scrape_interval_ms),
+                        ..ScrapeConfig::default()
+                    };
+                    match EngineStateHandle::spawn(target, scrape) {
+                        Ok(h) => Some(h),
+                        Err(e) => {
+                            return Err(
+                                ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)).into()
+                            )
+                        }
                     }
-                }
-            } else {
-                None
-            };
-            states.extend(state.clone());
-            upstreams.push(Upstream {
-                name: u.name.clone(),
-                pool: upconn::UpPool::new(&base, cfg.connect_timeout(), POOL_MAX_IDLE_PER_HOST),
-                base,
-                cfg: u.clone(),
-                state,
-            });
-        }
-        let gpu = GpuStateHandle::spawn(&GpuConfig {
-            dcgm_url: cfg.gpu.dcgm_url.clone(),
-            nvml: cfg.gpu.nvml,
-            scrape: ScrapeConfig {
-                interval: Duration::from_millis(cfg.gpu.interval_ms.max(100)),
-                ..ScrapeConfig::default()
-            },
-        })
-        .map_err(|e| ConfigError::Invalid(format!("gpu: {e}")))?;
-        tokenscope_engine_state::register_metrics(metrics.registry_mut(), &states, gpu.as_ref());
-        let alerting = alerting::start(&cfg.alerts, &cfg.admin_listen, metrics.registry_mut())?;
-        let metrics = Arc::new(metrics);
-        {
-            let m = metrics.clone();
-            alerting.set_health(move || tokenscope_analysis::alerts::SelfHealth {
-                lost_total: m
-                    .records_lost_totals()
-                    .into_iter()
-                    .map(|(r, n)| (r.to_owned(), n))
-                    .collect(),
-                store_up: m.store_is_up(),
-            });
-        }
-        let tracing = start_tracing(&cfg.tracing, &metrics)?;
+                } else {
+                    None
+                };
+                states.extend(state.clone());
+                upstreams.push(Upstream {
+                    name: u.name.clone(),
+                    pool: upconn::UpPool::new(&base, cfg.connect_timeout(), POOL_MAX_IDLE_PER_HOST),
+                    base,
+                    cfg: u.clone(),
+                    state,
+                });
+            }
+            let gpu = GpuStateHandle::spawn(&GpuConfig {
+                dcgm_url: cfg.gpu.dcgm_url.clone(),
+                nvml: cfg.gpu.nvml,
+                scrape: ScrapeConfig {
+                    interval: Duration::from_millis(cfg.gpu.interval_ms.max(100)),
+                    ..ScrapeConfig::default()
+                },
+            })
+            .map_err(|e| ConfigError::Invalid(format!("gpu: {e}")))?;
+            tokenscope_engine_state::register_metrics(
+                metrics.registry_mut(),
+                &states,
+                gpu.as_ref(),
+            );
+            let alerting = alerting::start(&cfg.alerts, &cfg.admin_listen, metrics.registry_mut())?;
+            let conn_metrics = server::ConnMetrics::register(metrics.registry_mut());
+            let metrics = Arc::new(metrics);
+            {
+                let m = metrics.clone();
+                alerting.set_health(move || tokenscope_analysis::alerts::SelfHealth {
+                    lost_total: m
+                        .records_lost_totals()
+                        .into_iter()
+                        .map(|(r, n)| (r.to_owned(), n))
+                        .collect(),
+                    store_up: m.store_is_up(),
+                });
+            }
+            let tracing = start_tracing(&cfg.tracing, &metrics)?;
+            (metrics, upstreams, gpu, alerting, tracing, conn_metrics)
+        };
         let target = StoreTarget::parse(&cfg.store);
         let store_err = |source: StoreError| GatewayError::Store {
             path: target.display(),
@@ -767,12 +814,17 @@ impl Gateway {
             tracing,
             alerting,
             kept_traces: dashboard::KeptTraces::default(),
+            shutting_down: std::sync::atomic::AtomicBool::new(false),
+            finishing: tokio_util::task::TaskTracker::new(),
         });
         Ok(Self {
             shared,
             proxy,
             admin,
             pipeline,
+            bg,
+            proxy_conns: server::Connections::new(conn_metrics.listener("proxy")),
+            admin_conns: server::Connections::new(conn_metrics.listener("admin")),
         })
     }
 
@@ -791,7 +843,9 @@ impl Gateway {
     }
 
     /// Serves until `shutdown` resolves, then stops accepting, lets in-flight requests finish
-    /// (up to `shutdown_grace_ms`), drains the store pipeline and returns.
+    /// (up to `shutdown_grace_ms`), cuts the rest (each cut request is recorded as
+    /// `shutdown`), waits for every record to be handed to the store pipeline, drains the
+    /// pipeline and returns what it did.
     pub async fn run(
         self,
         shutdown: impl Future<Output = ()> + Send,
@@ -801,6 +855,9 @@ impl Gateway {
             proxy,
             admin,
             pipeline,
+            bg,
+            proxy_conns,
+            admin_conns,
         } = self;
         let pipeline = Arc::new(pipeline);
         let app = Router::new()
@@ -813,50 +870,75 @@ impl Gateway {
             .fallback(any(proxy::passthrough))
             .with_state(shared.clone());
         let admin_app = admin::router(shared.clone(), pipeline.clone());
+        let (proxy_limits, admin_limits) = conn_limits(&shared.cfg.limits);
+        tracing::debug!(
+            proxy_max_connections = proxy_limits.max_connections,
+            admin_max_connections = admin_limits.max_connections,
+            "connection caps"
+        );
 
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let wait = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
-            let _ = rx.wait_for(|v| *v).await;
-        };
-        let proxy_task = tokio::spawn(
-            // TCP_NODELAY on accepted client connections: streamed tokens are small writes that
-            // Nagle's algorithm would otherwise hold until the client's delayed ACK (~40 ms per
-            // event on a keep-alive connection) — the gateway must not add latency.
-            axum::serve(
-                axum::serve::ListenerExt::tap_io(proxy, |tcp| {
-                    let _ = tcp.set_nodelay(true);
-                }),
-                app,
-            )
-            .with_graceful_shutdown(wait(stop_rx.clone()))
-            .into_future(),
-        );
-        let admin_task = tokio::spawn(
-            axum::serve(admin, admin_app)
-                .with_graceful_shutdown(wait(stop_rx.clone()))
-                .into_future(),
-        );
+        let proxy_task = tokio::spawn(server::serve(
+            proxy,
+            app,
+            proxy_limits,
+            stop_rx.clone(),
+            proxy_conns.clone(),
+        ));
+        // The admin listener (dashboard, /metrics, OTLP receiver) on the background runtime.
+        let admin_task = bg.spawn(server::serve(
+            admin,
+            admin_app,
+            admin_limits,
+            stop_rx.clone(),
+            admin_conns.clone(),
+        ));
         shutdown.await;
-        tracing::info!("Shutting down: no new connections; waiting for in-flight requests.");
+        let in_flight = proxy_conns.in_flight();
+        tracing::info!(
+            in_flight,
+            grace_ms = shared.cfg.shutdown_grace_ms,
+            "Shutting down: no new connections; waiting for in-flight requests."
+        );
         let _ = stop_tx.send(true);
+        // The accept loops end first, so no connection starts after the waits below.
+        let _ = proxy_task.await;
+        let _ = admin_task.await;
+        proxy_conns.drain();
+        admin_conns.drain();
         let grace = Duration::from_millis(shared.cfg.shutdown_grace_ms);
-        let abort = proxy_task.abort_handle();
-        let cut_in_flight = match tokio::time::timeout(grace, proxy_task).await {
-            Ok(_) => false,
-            Err(_) => {
-                tracing::warn!("In-flight requests outlived the grace period; closing them.");
-                abort.abort();
-                true
-            }
-        };
-        let admin_abort = admin_task.abort_handle();
-        if tokio::time::timeout(Duration::from_secs(2), admin_task)
+        let mut cut = 0;
+        if tokio::time::timeout(grace, proxy_conns.wait())
             .await
             .is_err()
         {
-            admin_abort.abort();
+            cut = proxy_conns.in_flight();
+            tracing::warn!(
+                cut,
+                "In-flight requests outlived the grace period; closing them (recorded as `shutdown`)."
+            );
+            shared
+                .shutting_down
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            proxy_conns.cut();
+            proxy_conns.wait().await;
         }
-        // Every record is final now (aborted requests were recorded as cancelled on drop).
+        if tokio::time::timeout(Duration::from_secs(2), admin_conns.wait())
+            .await
+            .is_err()
+        {
+            admin_conns.cut();
+            admin_conns.wait().await;
+        }
+        // Records waiting for a tokenizer count (bounded by its own 5 s deadline).
+        shared.finishing.close();
+        if tokio::time::timeout(Duration::from_secs(6), shared.finishing.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("Records still waiting for a tokenizer count at shutdown.");
+        }
+        // Every record is final and handed to the pipeline now.
         if let Some(t) = shared.tracing.as_ref() {
             t.exporter.shutdown(Duration::from_secs(5)).await;
         }
@@ -864,13 +946,20 @@ impl Gateway {
         let store = tokio::task::spawn_blocking(move || match Arc::try_unwrap(pipeline) {
             Ok(p) => p.shutdown(Duration::from_secs(30)),
             Err(p) => {
+                tracing::error!(
+                    "the store pipeline is still referenced at shutdown; flushing only"
+                );
                 p.flush();
                 ShutdownReport::default()
             }
         })
         .await
         .unwrap_or_default();
+        bg.shutdown_background();
         tracing::info!(
+            in_flight_at_signal = in_flight,
+            cut_at_deadline = cut,
+            enqueued = store.enqueued,
             written = store.written,
             dropped = store.dropped,
             lost = store.lost,
@@ -878,10 +967,57 @@ impl Gateway {
             "Store drained."
         );
         Ok(ShutdownSummary {
-            cut_in_flight,
+            cut_in_flight: cut > 0,
+            in_flight_at_signal: in_flight,
+            cut,
             store,
         })
     }
 }
 
-use std::future::IntoFuture;
+/// The connection limits of both listeners from `[limits]` and the open-file limit.
+fn conn_limits(l: &config::LimitsSection) -> (server::ConnLimits, server::ConnLimits) {
+    let nofile = raise_nofile_limit();
+    let admin_max = l.admin_max_connections.max(1);
+    let proxy_max = if l.max_connections > 0 {
+        l.max_connections
+    } else {
+        // Each proxied request holds a client and an upstream socket; keep 64 descriptors for
+        // the store, the spool, the listeners and the scrapers.
+        (nofile.saturating_sub(64 + admin_max as u64) / 2).clamp(16, 65_536) as usize
+    };
+    let write_timeout =
+        (l.client_write_timeout_ms > 0).then(|| Duration::from_millis(l.client_write_timeout_ms));
+    let proxy = server::ConnLimits {
+        max_connections: proxy_max,
+        header_timeout: Duration::from_millis(l.header_timeout_ms),
+        write_timeout,
+        max_header_bytes: l.max_header_bytes,
+        nodelay: true,
+    };
+    let admin = server::ConnLimits {
+        max_connections: admin_max,
+        nodelay: false,
+        ..proxy
+    };
+    (proxy, admin)
+}
+
+/// Raises the soft open-file limit to the hard one (as Go's runtime and nginx's
+/// `worker_rlimit_nofile` do) and returns the soft limit in force.
+fn raise_nofile_limit() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut lim = getrlimit(Resource::Nofile);
+    if let (Some(cur), Some(max)) = (lim.current, lim.maximum) {
+        if cur < max {
+            let raised = rustix::process::Rlimit {
+                current: Some(max),
+                maximum: Some(max),
+            };
+            if setrlimit(Resource::Nofile, raised).is_ok() {
+                lim = getrlimit(Resource::Nofile);
+            }
+        }
+    }
+    lim.current.unwrap_or(1 << 20)
+}

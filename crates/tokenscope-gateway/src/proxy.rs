@@ -78,6 +78,23 @@ fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
         .filter(|s| !s.is_empty())
 }
 
+/// Marks an attribution value cut at `max_attribution_bytes`.
+pub(crate) const TRUNCATED: &str = "…[truncated]";
+
+/// An attribution value as stored and labelled: at most `max` bytes of it (cut at a character
+/// boundary) followed by [`TRUNCATED`] when it was longer — never silently cut, never
+/// unbounded (a client sending 390 KB headers must not make every record 390 KB).
+pub(crate) fn bounded(v: &str, max: usize) -> String {
+    if v.len() <= max {
+        return v.to_owned();
+    }
+    let mut end = max;
+    while !v.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{TRUNCATED}", &v[..end])
+}
+
 fn valid_request_id(s: &str) -> bool {
     !s.is_empty() && s.len() <= 128 && s.bytes().all(|b| b.is_ascii_graphic())
 }
@@ -161,6 +178,8 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     let arrival = Instant::now();
     let created_at = now_us();
     let (parts, body) = req.into_parts();
+    let max_attr = shared.cfg.limits.max_attribution_bytes;
+    let attr = |name: &str| header_str(&parts.headers, name).map(|v| bounded(v, max_attr));
     let endpoint = Endpoint::from_path(parts.uri.path()).unwrap_or_default();
     // The key is always ours: a client's id is data (a reused or forged one must neither
     // collapse rows nor suppress another client's row). The client's id travels on unchanged.
@@ -181,18 +200,21 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         trace_id: trace_id.clone(),
         created_at,
         endpoint,
-        request_type: header_str(&parts.headers, H_REQUEST_TYPE)
-            .unwrap_or(endpoint.default_request_type())
-            .to_owned(),
+        request_type: attr(H_REQUEST_TYPE)
+            .unwrap_or_else(|| endpoint.default_request_type().to_owned()),
         ..RequestRecord::default()
     };
     let mut guard = RecordGuard::new(shared.clone(), rec, arrival, trace);
 
     // Attribution that does not need the body.
     if let Some(p) = guard.get() {
-        p.rec.user_id = header_str(&parts.headers, H_USER).map(str::to_owned);
-        p.rec.tenant = header_str(&parts.headers, H_TENANT).map(str::to_owned);
-        p.rec.business_line = header_str(&parts.headers, H_BUSINESS_LINE).map(str::to_owned);
+        p.conn = parts
+            .extensions
+            .get::<Arc<crate::server::ConnState>>()
+            .cloned();
+        p.rec.user_id = attr(H_USER);
+        p.rec.tenant = attr(H_TENANT);
+        p.rec.business_line = attr(H_BUSINESS_LINE);
         if let Some(key) = api_key(&parts.headers) {
             let h = crate::config::sha256_hex(key);
             p.rec.api_key_id = Some(h[..16].to_owned());
@@ -217,7 +239,29 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     if declared.is_some_and(|n| n > limit as u64) {
         return too_large(guard, limit, &shown_id, &request_id, &trace_id);
     }
-    let body_bytes = match http_body_util::Limited::new(body, limit).collect().await {
+    let body_timeout = std::time::Duration::from_millis(shared.cfg.limits.body_timeout_ms);
+    let Ok(read) = tokio::time::timeout(
+        body_timeout,
+        http_body_util::Limited::new(body, limit).collect(),
+    )
+    .await
+    else {
+        if let Some(p) = guard.get() {
+            p.rec.http_status = 408;
+        }
+        guard.finish(
+            Instant::now(),
+            Some((Outcome::ClientError, "client_body_timeout")),
+        );
+        let mut resp = error_response(
+            StatusCode::REQUEST_TIMEOUT,
+            "client_body_timeout",
+            "the request body did not arrive within limits.body_timeout_ms",
+        );
+        set_ids(resp.headers_mut(), &request_id, &trace_id);
+        return resp;
+    };
+    let body_bytes = match read {
         Ok(c) => c.to_bytes(),
         Err(e) => {
             if e.downcast_ref::<http_body_util::LengthLimitError>()
@@ -253,11 +297,15 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         .unwrap_or_default();
     let mut strip_usage = false;
     if let Some(p) = guard.get() {
-        p.rec.model = info.model.clone().unwrap_or_default();
+        p.rec.model = info
+            .model
+            .as_deref()
+            .map(|m| bounded(m, max_attr))
+            .unwrap_or_default();
         p.rec.stream = info.stream;
         p.rec.max_tokens = info.max_tokens;
         if p.rec.user_id.is_none() {
-            p.rec.user_id.clone_from(&info.user);
+            p.rec.user_id = info.user.as_deref().map(|u| bounded(u, max_attr));
         }
         if let Some(v) = &json {
             if let Some(norm) = normalised_prompt(endpoint, v) {

@@ -6,7 +6,9 @@
 //! * [`RecordGuard::finish`] — the handler failed early (413, 502, 504) or the body reached its
 //!   end of stream, its idle timeout, or an upstream error;
 //! * `Drop` — the request was abandoned (client disconnect while waiting for the upstream or
-//!   mid-stream): the record says `cancelled`, with the tokens seen so far.
+//!   mid-stream, a client that stopped reading past `client_write_timeout_ms`, or the end of
+//!   the shutdown grace period): the record says `cancelled` (`client_disconnected`,
+//!   `client_write_timeout`) or `shutdown`, with the tokens seen so far.
 //!
 //! Finishing never blocks: it updates in-memory metrics, pushes into the recent-records ring,
 //! and `try_send`s the record into the bounded store pipeline ([`RecordOut`]).
@@ -65,6 +67,9 @@ pub(crate) struct Pending {
     pub output_text: Option<String>,
     /// The request's trace ids (W3C context continued or started at arrival).
     pub trace: tokenscope_trace::RequestTrace,
+    /// The client connection the request came on (to tell a stalled client from one that
+    /// left).
+    pub conn: Option<Arc<crate::server::ConnState>>,
     in_flight: Option<InFlightGuard>,
 }
 
@@ -87,6 +92,7 @@ impl RecordGuard {
             entry_input_tokens: None,
             entry_count: None,
             output_text: None,
+            conn: None,
             in_flight: None,
         })))
     }
@@ -112,13 +118,26 @@ impl RecordGuard {
 }
 
 impl Drop for RecordGuard {
+    /// Abandoned before it finished: cut by the gateway's shutdown, failed writes to a client
+    /// that stopped reading, or the client left.
     fn drop(&mut self) {
         if let Some(p) = self.0.take() {
-            finalize(
-                *p,
-                Instant::now(),
-                Some((Outcome::Cancelled, "client_disconnected")),
-            );
+            let why = if p
+                .shared
+                .shutting_down
+                .load(std::sync::atomic::Ordering::SeqCst)
+            {
+                (Outcome::Shutdown, "gateway_shutdown")
+            } else if p
+                .conn
+                .as_ref()
+                .is_some_and(|c| c.write_stalled.load(std::sync::atomic::Ordering::Acquire))
+            {
+                (Outcome::Cancelled, "client_write_timeout")
+            } else {
+                (Outcome::Cancelled, "client_disconnected")
+            };
+            finalize(*p, Instant::now(), Some(why));
         }
     }
 }
@@ -273,6 +292,7 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
             rec.http_status = match o {
                 Outcome::Timeout => 504,
                 Outcome::Cancelled => 499,
+                Outcome::Shutdown => 503,
                 Outcome::ClientError => 400,
                 _ => 502,
             };
@@ -304,7 +324,7 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
             Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {}
         }
     }
-    let count_output = (rec.outcome == Outcome::Cancelled
+    let count_output = (matches!(rec.outcome, Outcome::Cancelled | Outcome::Shutdown)
         && rec.output_tokens_source == TokenSource::Chunks)
         .then_some(p.output_text)
         .flatten()
@@ -317,24 +337,28 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
         shared.finish_record(rec, trace);
         return;
     };
-    rt.spawn(async move {
-        let deadline = std::time::Duration::from_secs(5);
-        if let Some(rx) = entry {
-            if let Ok(Ok(res)) = tokio::time::timeout(deadline, rx).await {
-                apply_entry_count(&shared, &mut rec, res);
+    let finishing = shared.finishing.clone();
+    finishing.spawn_on(
+        async move {
+            let deadline = std::time::Duration::from_secs(5);
+            if let Some(rx) = entry {
+                if let Ok(Ok(res)) = tokio::time::timeout(deadline, rx).await {
+                    apply_entry_count(&shared, &mut rec, res);
+                }
             }
-        }
-        if let Some(text) = count_output {
-            let counted =
-                tokio::time::timeout(deadline, shared.tokenizers.count_text(&rec.model, &text))
-                    .await;
-            if let Ok(Some(Ok(n))) = counted {
-                rec.output_tokens = Some(n);
-                rec.output_tokens_source = TokenSource::Tokenizer;
+            if let Some(text) = count_output {
+                let counted =
+                    tokio::time::timeout(deadline, shared.tokenizers.count_text(&rec.model, &text))
+                        .await;
+                if let Ok(Some(Ok(n))) = counted {
+                    rec.output_tokens = Some(n);
+                    rec.output_tokens_source = TokenSource::Tokenizer;
+                }
             }
-        }
-        shared.finish_record(rec, trace);
-    });
+            shared.finish_record(rec, trace);
+        },
+        &rt,
+    );
 }
 
 /// Puts the entry tokenizer count on the record: kept as `input_tokens_entry`; it becomes the

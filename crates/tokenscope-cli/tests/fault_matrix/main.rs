@@ -10,6 +10,8 @@
 
 #[path = "../common/mod.rs"]
 mod common;
+mod exhaustion;
 #[path = "../llama/mod.rs"]
 mod llama;
+mod shutdown;
 mod store;

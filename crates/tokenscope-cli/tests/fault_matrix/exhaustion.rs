@@ -1,0 +1,301 @@
+//! Exhaustion (issue 16, item 6): no client can stall the gateway or make it hold unbounded
+//! memory; every limit answers clearly and measured requests still leave exactly one row.
+//!
+//! Cases (requests sent → rows, and what the client sees):
+//! * 1,100 connections to the proxy and 200 to the admin listener that never finish their
+//!   headers, open-file limit 1024 → a normal request succeeds within a second, `/healthz`
+//!   answers, the evictions are counted; 1 row (the normal request).
+//! * A client that stops reading a long stream → after `client_write_timeout_ms` the
+//!   connection is closed and the engine's slot freed; 1 row, `cancelled` /
+//!   `client_write_timeout`.
+//! * A request body that stops arriving → `408` after `body_timeout_ms`; 1 row,
+//!   `client_error` / `client_body_timeout`.
+//! * Headers that stop arriving → the connection is closed after `header_timeout_ms`; 0 rows.
+//! * A 10 KB attribution header → stored cut at `max_attribution_bytes` and marked; a head over
+//!   `max_header_bytes` → `431`, 0 rows.
+
+use crate::common::*;
+use crate::shutdown::LoggedGateway;
+use serde_json::json;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Holds `n` connections to each address open with an unfinished request head, from a Python
+/// child process (which raises its own open-file limit). Killed on drop.
+struct Holder(std::process::Child);
+
+impl Holder {
+    fn start(targets: &[(SocketAddr, usize)]) -> Self {
+        let spec: Vec<String> = targets
+            .iter()
+            .map(|(a, n)| format!("{}:{}:{n}", a.ip(), a.port()))
+            .collect();
+        let script = r#"
+import resource, socket, sys, time
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+socks = []
+for spec in sys.argv[1:]:
+    host, port, n = spec.rsplit(":", 2)
+    for _ in range(int(n)):
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        socks.append(s)
+print("held", len(socks), flush=True)
+time.sleep(600)
+"#;
+        let mut child = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .args(&spec)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3");
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().expect("stdout")),
+            &mut line,
+        )
+        .expect("holder line");
+        assert!(line.starts_with("held"), "holder: {line:?}");
+        Holder(child)
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn chat(stream: bool) -> serde_json::Value {
+    json!({"model": "m", "stream": stream, "max_tokens": 5,
+           "messages": [{"role": "user", "content": "hello"}]})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_connections_do_not_lock_out_clients_or_healthz() {
+    let mock = MockProc::start(&[]);
+    let gw = LoggedGateway::start_limited(&mock.url(), &[], Some(1024));
+    let holder = tokio::task::spawn_blocking({
+        let (p, a) = (gw.proxy, gw.admin);
+        move || Holder::start(&[(p, 1100), (a, 200)])
+    })
+    .await
+    .expect("holder");
+
+    let t = Instant::now();
+    let (status, _, body) = post_json(&gw.url("/v1/chat/completions"), &chat(false), &[]).await;
+    let took = t.elapsed();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        took < Duration::from_secs(1),
+        "a normal request took {took:?}"
+    );
+    let (hs, hb) = get(&format!("http://{}/healthz", gw.admin)).await;
+    assert_eq!((hs, hb.as_str()), (200, "ok"));
+    let m = get(&format!("http://{}/metrics", gw.admin)).await.1;
+    assert!(
+        metric_where(
+            &m,
+            "tokenscope_connections_evicted_total",
+            &[("listener", "proxy")]
+        ) >= 1.0,
+        "{m}"
+    );
+    assert!(
+        metric_where(
+            &m,
+            "tokenscope_connections_evicted_total",
+            &[("listener", "admin")]
+        ) >= 1.0
+    );
+    drop(holder);
+    let mut gw = gw;
+    let _ = tokio::task::spawn_blocking(move || {
+        gw.terminate();
+        gw
+    })
+    .await
+    .map(|gw| {
+        let rows = store_rows(&gw.store);
+        assert_eq!(rows.len(), 1, "only the normal request is a row");
+        assert_eq!(rows[0]["outcome"], "ok");
+    });
+}
+
+/// Reads a response head from a raw socket: (status, head text).
+async fn read_head(s: &mut TcpStream) -> (u16, String) {
+    let mut buf = Vec::new();
+    let mut b = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        match s.read(&mut b).await {
+            Ok(1) => buf.push(b[0]),
+            _ => break,
+        }
+    }
+    let head = String::from_utf8_lossy(&buf).into_owned();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, head)
+}
+
+fn header_value(head: &str, name: &str) -> Option<String> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.eq_ignore_ascii_case(name).then(|| v.trim().to_owned())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_cut_and_frees_the_engine() {
+    let mock = MockProc::start(&["--time-scale", "0"]);
+    let gw = GatewayProc::start(
+        &mock.url(),
+        &[("TOKENSCOPE_LIMITS__CLIENT_WRITE_TIMEOUT_MS", "1000")],
+    );
+    let body = json!({"model": "m", "stream": true, "max_tokens": 2_000_000,
+        "mock_output_tokens": 2_000_000,
+        "messages": [{"role": "user", "content": "everything"}]})
+    .to_string();
+    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+    sock.set_recv_buffer_size(4096).expect("rcvbuf");
+    let mut s = sock.connect(gw.proxy).await.expect("connect");
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("send");
+    let t = Instant::now();
+    let (status, head) = read_head(&mut s).await;
+    assert_eq!(status, 200, "{head}");
+    let id = header_value(&head, "x-request-id").expect("request id");
+    // Stop reading. The record appears once the gateway gave up on us.
+    let rec = gw.record(&id).await;
+    let waited = t.elapsed();
+    assert_eq!(rec["outcome"], "cancelled", "{rec}");
+    assert_eq!(rec["error_type"], "client_write_timeout", "{rec}");
+    let out = rec["output_tokens"].as_u64().unwrap_or(0);
+    assert!(out > 0 && out < 2_000_000, "{rec}");
+    assert!(waited >= Duration::from_millis(900), "{waited:?}");
+    // Nothing of it is left in flight, at the gateway or at the engine.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let g = metric_sum(&gw.metrics().await, "llm_requests_in_flight");
+        let e = mock.metrics().await;
+        let running = metric_sum(&e, "vllm:num_requests_running")
+            + metric_sum(&e, "llamacpp:requests_processing");
+        if g == 0.0 && running == 0.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "gateway {g} / engine {running} still busy"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let c = metric_where(
+        &gw.metrics().await,
+        "tokenscope_connections_write_timeouts_total",
+        &[("listener", "proxy")],
+    );
+    assert_eq!(c, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stops_arriving_gets_408_and_one_row() {
+    let mock = MockProc::start(&[]);
+    let gw = GatewayProc::start(
+        &mock.url(),
+        &[("TOKENSCOPE_LIMITS__BODY_TIMEOUT_MS", "800")],
+    );
+    let mut s = TcpStream::connect(gw.proxy).await.expect("connect");
+    s.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\":",
+    )
+    .await
+    .expect("send");
+    let t = Instant::now();
+    let (status, head) = read_head(&mut s).await;
+    assert_eq!(status, 408, "{head}");
+    assert!(t.elapsed() >= Duration::from_millis(700));
+    let id = header_value(&head, "x-request-id").expect("request id");
+    let rec = gw.record(&id).await;
+    assert_eq!(rec["outcome"], "client_error");
+    assert_eq!(rec["error_type"], "client_body_timeout");
+    assert_eq!(rec["http_status"], 408);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_that_stop_arriving_are_closed_after_the_header_timeout() {
+    let mock = MockProc::start(&[]);
+    let gw = GatewayProc::start(
+        &mock.url(),
+        &[("TOKENSCOPE_LIMITS__HEADER_TIMEOUT_MS", "800")],
+    );
+    let mut s = TcpStream::connect(gw.proxy).await.expect("connect");
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+        .await
+        .expect("send");
+    let t = Instant::now();
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut rest)).await;
+    let took = t.elapsed();
+    assert!(read.is_ok(), "the connection stayed open");
+    assert!(took >= Duration::from_millis(700), "closed after {took:?}");
+    let text = String::from_utf8_lossy(&rest);
+    assert!(
+        text.is_empty() || text.starts_with("HTTP/1.1 408"),
+        "{text}"
+    );
+    let (_, body) = get(&format!("http://{}/api/requests", gw.admin)).await;
+    let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+    let n = v
+        .as_array()
+        .or_else(|| v["requests"].as_array())
+        .map_or(0, Vec::len);
+    assert_eq!(n, 0, "no request reached the handler: {v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_attribution_is_cut_and_marked_and_huge_heads_get_431() {
+    let mock = MockProc::start(&[]);
+    let gw = GatewayProc::start(&mock.url(), &[]);
+    let long_user = "u".repeat(10 * 1024);
+    let long_line = format!("{}é", "b".repeat(300));
+    let (status, headers, _) = post_json(
+        &gw.url("/v1/chat/completions"),
+        &chat(false),
+        &[
+            ("x-tokenscope-user", &long_user),
+            ("x-tokenscope-business-line", &long_line),
+        ],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let id = headers["x-request-id"].to_str().expect("id").to_owned();
+    let rec = gw.record(&id).await;
+    let user = rec["user_id"].as_str().expect("user");
+    assert_eq!(user, format!("{}…[truncated]", "u".repeat(256)));
+    let line = rec["business_line"].as_str().expect("line");
+    assert_eq!(line, format!("{}…[truncated]", "b".repeat(256)));
+
+    // A head over max_header_bytes (64 KiB): 431, no record.
+    let huge = "h".repeat(100 * 1024);
+    let mut s = TcpStream::connect(gw.proxy).await.expect("connect");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-tokenscope-user: {huge}\r\ncontent-length: 2\r\n\r\n{{}}"
+    );
+    // The gateway may answer (and close) before it has read everything.
+    let _ = s.write_all(head.as_bytes()).await;
+    let (status, head) = read_head(&mut s).await;
+    assert_eq!(status, 431, "{head}");
+    let (_, body) = get(&format!("http://{}/api/requests", gw.admin)).await;
+    assert_eq!(body.matches("\"request_id\"").count(), 1, "{body}");
+}

@@ -258,7 +258,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
             "client_body_timeout",
             "the request body did not arrive within limits.body_timeout_ms",
         );
-        set_ids(resp.headers_mut(), &request_id, &trace_id);
+        set_ids(resp.headers_mut(), &shown_id, &request_id, &trace_id);
         return resp;
     };
     let body_bytes = match read {

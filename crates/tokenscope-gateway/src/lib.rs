@@ -605,6 +605,48 @@ impl Gateway {
     /// Opens the store, binds both listeners (port 0 allowed) and prepares the proxy.
     pub async fn bind(cfg: GatewayConfig) -> Result<Self, GatewayError> {
         cfg.validate()?;
+        // The store and the spool first, each proved writable with a real write (SQLite: a
+        // committed header update; spool: a probe file): an unwritable one refuses the start
+        // with its path and cause, before anything (runtime, scrapers, listeners) started.
+        let target = StoreTarget::parse(&cfg.store);
+        let store_err = |source: StoreError| GatewayError::Store {
+            path: target.display(),
+            source,
+        };
+        let sink = {
+            let t = target.clone();
+            tokio::task::spawn_blocking(move || open_sink(&t))
+                .await
+                .map_err(|e| {
+                    store_err(StoreError::Sink {
+                        sink: "store",
+                        class: ErrorClass::Other,
+                        message: format!("opening the store panicked: {e}"),
+                    })
+                })?
+                .map_err(store_err)?
+        };
+        let spool = if cfg.spool.enabled {
+            let dir = cfg
+                .spool
+                .dir
+                .as_ref()
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|| target.default_spool_dir());
+            let spool = Spool::open(SpoolConfig {
+                dir: dir.clone(),
+                max_bytes: cfg.spool.max_bytes,
+                segment_bytes: cfg.spool.segment_bytes,
+                fsync: cfg.spool.fsync,
+            })
+            .map_err(|e| GatewayError::Spool {
+                dir: dir.display().to_string(),
+                source: e,
+            })?;
+            Some(spool)
+        } else {
+            None
+        };
         // Background work (engine-state and GPU scrapers, alert evaluation, trace export and
         // later the admin listener) runs on its own runtime: a dashboard page or a large OTLP
         // body never waits in line with a request (docs/operations.md).
@@ -698,24 +740,6 @@ impl Gateway {
             let tracing = start_tracing(&cfg.tracing, &metrics)?;
             (metrics, upstreams, gpu, alerting, tracing, conn_metrics)
         };
-        let target = StoreTarget::parse(&cfg.store);
-        let store_err = |source: StoreError| GatewayError::Store {
-            path: target.display(),
-            source,
-        };
-        let sink = {
-            let t = target.clone();
-            tokio::task::spawn_blocking(move || open_sink(&t))
-                .await
-                .map_err(|e| {
-                    store_err(StoreError::Sink {
-                        sink: "store",
-                        class: ErrorClass::Other,
-                        message: format!("opening the store panicked: {e}"),
-                    })
-                })?
-                .map_err(store_err)?
-        };
         let pipeline_cfg = PipelineConfig {
             capacity: cfg.pipeline.capacity,
             batch_size: cfg.pipeline.batch_size,
@@ -730,26 +754,9 @@ impl Gateway {
             ..PipelineConfig::default()
         };
         let observer = Arc::new(MetricsObserver(metrics.clone()));
-        let (recorder, pipeline) = if cfg.spool.enabled {
-            let dir = cfg
-                .spool
-                .dir
-                .as_ref()
-                .map(std::path::PathBuf::from)
-                .unwrap_or_else(|| target.default_spool_dir());
-            let spool = Spool::open(SpoolConfig {
-                dir: dir.clone(),
-                max_bytes: cfg.spool.max_bytes,
-                segment_bytes: cfg.spool.segment_bytes,
-                fsync: cfg.spool.fsync,
-            })
-            .map_err(|e| GatewayError::Spool {
-                dir: dir.display().to_string(),
-                source: e,
-            })?;
-            spawn_pipeline_with_spool(sink, pipeline_cfg, spool, observer)
-        } else {
-            spawn_pipeline(sink, pipeline_cfg, observer)
+        let (recorder, pipeline) = match spool {
+            Some(spool) => spawn_pipeline_with_spool(sink, pipeline_cfg, spool, observer),
+            None => spawn_pipeline(sink, pipeline_cfg, observer),
         };
         let bind = |addr: String| async move {
             tokio::net::TcpListener::bind(&addr)

@@ -211,7 +211,10 @@ async fn sigterm_with_long_streams_in_flight_leaves_one_shutdown_row_each() {
     forwarded.sort_unstable();
     client_outputs.sort_unstable();
     for (f, c) in forwarded.iter().zip(&client_outputs) {
-        assert!(*f >= *c as u64, "forwarded {forwarded:?} vs read {client_outputs:?}");
+        assert!(
+            *f >= *c as u64,
+            "forwarded {forwarded:?} vs read {client_outputs:?}"
+        );
     }
     assert_eq!(
         log_field(&log, "Store drained.", "in_flight_at_signal"),

@@ -459,7 +459,7 @@ impl Metrics {
         );
         registry.register(
             "tokenscope_records_lost",
-            "Accepted records that were never stored, by reason; stays 0 unless the spool cap is hit (spool_full), the disk fails, there is no spool, or the store rejects the data",
+            "Accepted records that were never stored, by reason; stays 0 unless the spool cap is hit (spool_full), the disk fails and the in-memory hold is full (hold_full) or still holds them at the shutdown deadline (shutdown), there is no spool, or the store rejects the data",
             records_lost.clone(),
         );
         registry.register(

@@ -120,7 +120,10 @@ fn serve_expecting_failure(store: &Path, spool: &Path) -> (bool, String) {
         .read_to_string(&mut err)
         .expect("read stderr");
     assert!(!out.contains("listening"), "it started: {out}");
-    assert!(!err.contains("panicked"), "a clean refusal, not a panic: {err}");
+    assert!(
+        !err.contains("panicked"),
+        "a clean refusal, not a panic: {err}"
+    );
     (status.success(), err)
 }
 

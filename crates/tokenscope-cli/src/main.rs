@@ -262,6 +262,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     }
     tracing::info!(
         written = summary.store.written,
+        duplicates = summary.store.duplicates,
         dropped = summary.store.dropped,
         lost = summary.store.lost,
         "Stopped."

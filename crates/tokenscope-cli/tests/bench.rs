@@ -79,7 +79,7 @@ fn client_percentiles_agree_with_the_gateway() {
     let rows = store_table(&store);
     let by_id: HashMap<String, &serde_json::Map<String, Value>> = rows
         .iter()
-        .map(|r| (r["request_id"].as_str().expect("id").to_owned(), r))
+        .map(|r| (r["client_request_id"].as_str().expect("id").to_owned(), r))
         .collect();
 
     // Per request: the prompt the gateway saw has exactly the requested length (+4 for the
@@ -116,7 +116,7 @@ fn client_percentiles_agree_with_the_gateway() {
         let mine: Vec<_> = rows
             .iter()
             .filter(|r| {
-                r["request_id"]
+                r["client_request_id"]
                     .as_str()
                     .is_some_and(|s| s.starts_with(&prefix))
             })
@@ -347,7 +347,7 @@ async fn agrees_with_the_gateway_on_llama_cpp() {
     let rows = store_table(&store);
     let by_id: HashMap<String, &serde_json::Map<String, Value>> = rows
         .iter()
-        .map(|r| (r["request_id"].as_str().expect("id").to_owned(), r))
+        .map(|r| (r["client_request_id"].as_str().expect("id").to_owned(), r))
         .collect();
     let text = std::fs::read_to_string(&reqs).expect("requests file");
     let mut n = 0;

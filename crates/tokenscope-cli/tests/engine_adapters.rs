@@ -236,7 +236,7 @@ async fn late_engine_spans_are_joined_by_trace_id() {
     let conn = rusqlite::Connection::open(store).expect("open store");
     let (q, qs, p, d, i, o): (f64, String, f64, f64, i64, i64) = conn
         .query_row(
-            "SELECT queue_duration_ms, queue_source, prefill_duration_ms, decode_duration_ms, input_tokens, output_tokens FROM llm_inference_log WHERE request_id = 'otlp-join-1'",
+            "SELECT queue_duration_ms, queue_source, prefill_duration_ms, decode_duration_ms, input_tokens, output_tokens FROM llm_inference_log WHERE client_request_id = 'otlp-join-1'",
             [],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)),
         )

@@ -314,7 +314,8 @@ async fn request_ids_and_trace_context() {
     let url = gw.url("/v1/chat/completions");
     let body = chat("fx", "hi", false);
 
-    // The client's id is kept, returned and forwarded.
+    // The client's id is kept as data, returned and forwarded unchanged; the key is ours
+    // (a UUIDv7, returned as x-tokenscope-request-id).
     let (status, h, _) = post_json(&url, &body, &[("x-request-id", "client-id-42")]).await;
     assert_eq!(status, 200);
     assert_eq!(hdr(&h, "x-request-id"), "client-id-42");
@@ -322,18 +323,20 @@ async fn request_ids_and_trace_context() {
         fx.request("client-id-42").header("x-request-id"),
         Some("client-id-42")
     );
-    assert_eq!(
-        gw.record("client-id-42").await["request_id"],
-        "client-id-42"
-    );
+    let key = hdr(&h, "x-tokenscope-request-id").to_owned();
+    assert!(is_uuid_v7(&key), "{key:?} is not a UUIDv7");
+    let rec = gw.record("client-id-42").await;
+    assert_eq!(rec["request_id"], key.as_str());
+    assert_eq!(rec["client_request_id"], "client-id-42");
 
-    // Without one (or with an unusable one) a UUIDv7 is made.
+    // Without one (or with an unusable one) a UUIDv7 is made, and is both ids.
     for headers in [vec![], vec![("x-request-id", "has a space")]] {
         let (_, h, _) = post_json(&url, &body, &headers).await;
         let id = hdr(&h, "x-request-id").to_owned();
         assert!(is_uuid_v7(&id), "{id:?} is not a UUIDv7");
+        assert_eq!(hdr(&h, "x-tokenscope-request-id"), id);
         assert_eq!(fx.request(&id).header("x-request-id"), Some(id.as_str()));
-        gw.record(&id).await;
+        assert_eq!(gw.record(&id).await["client_request_id"], Value::Null);
     }
 
     // An incoming traceparent is continued: same trace, the gateway's own span.
@@ -542,7 +545,7 @@ async fn attribution_headers_body_user_and_api_keys() {
     assert_eq!(rows.len(), cases.len());
     let keyed = rows
         .iter()
-        .find(|r| r["request_id"] == "attr-key")
+        .find(|r| r["client_request_id"] == "attr-key")
         .expect("row attr-key");
     assert_eq!(
         (&keyed["tenant"], &keyed["business_line"]),

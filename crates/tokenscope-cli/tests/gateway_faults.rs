@@ -491,7 +491,9 @@ default = true
     for exp in &expected {
         let mine: Vec<_> = rows
             .iter()
-            .filter(|r| r["request_id"] == exp.id.as_str())
+            .filter(|r| {
+                r["request_id"] == exp.id.as_str() || r["client_request_id"] == exp.id.as_str()
+            })
             .collect();
         assert_eq!(mine.len(), 1, "one row for {}", exp.id);
         let row = mine[0];

@@ -254,7 +254,9 @@ async fn real_engine_end_to_end() {
     assert_eq!(rows.len() as u64, sent);
     for id in &ids {
         assert_eq!(
-            rows.iter().filter(|r| r["request_id"] == json!(id)).count(),
+            rows.iter()
+                .filter(|r| r["request_id"] == json!(id) || r["client_request_id"] == json!(id))
+                .count(),
             1,
             "row for {id}"
         );

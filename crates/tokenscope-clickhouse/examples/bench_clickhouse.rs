@@ -71,6 +71,7 @@ fn record(i: u64, now_us: i64) -> RequestRecord {
         gpu_utilization: Some(0.9),
         gpu_memory_bandwidth: Some(0.5),
         cost_usd: Some(0.0001),
+        client_request_id: None,
     }
 }
 

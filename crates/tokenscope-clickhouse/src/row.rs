@@ -113,6 +113,7 @@ pub fn encode_row(buf: &mut Vec<u8>, r: &RequestRecord, row_version: u64) {
     put_opt_f64(buf, r.gpu_utilization);
     put_opt_f64(buf, r.gpu_memory_bandwidth);
     put_opt_f64(buf, r.cost_usd);
+    put_opt_str(buf, r.client_request_id.as_deref());
     buf.extend_from_slice(&row_version.to_le_bytes());
 }
 
@@ -171,6 +172,7 @@ pub struct LogRow {
     pub gpu_utilization: Option<f64>,
     pub gpu_memory_bandwidth: Option<f64>,
     pub cost_usd: Option<f64>,
+    pub client_request_id: Option<String>,
     pub row_version: u64,
 }
 
@@ -252,6 +254,7 @@ impl LogRow {
             gpu_utilization: self.gpu_utilization,
             gpu_memory_bandwidth: self.gpu_memory_bandwidth,
             cost_usd: self.cost_usd,
+            client_request_id: self.client_request_id,
         };
         Ok((r, self.row_version))
     }

@@ -58,6 +58,13 @@
 //! * v2 — `cost_usd Nullable(Float64)` after `gpu_memory_bandwidth` (USD at the configured
 //!   prices; `NULL` = unpriced, and for rows written before v2), on the data table and, in a
 //!   cluster, on the `Distributed` table too.
+//! * v3 — `client_request_id Nullable(String)` after `cost_usd` (the client's own
+//!   `x-request-id`; `NULL` when it sent none, and for rows written before v3). Data, never
+//!   part of the key: `request_id` is always the gateway's own UUIDv7, so the sorting key's
+//!   last column is unique per request and rows of different requests never collapse. On
+//!   modern servers a `bloom_filter` skipping index `idx_client_request_id` makes lookups by
+//!   it cheap (added with `ADD INDEX IF NOT EXISTS`; old servers have no skipping indexes
+//!   and scan).
 
 use crate::ClickHouseError;
 
@@ -70,7 +77,7 @@ pub const MIGRATIONS_TABLE: &str = "tokenscope_schema_migrations";
 
 /// The columns of an insert (and of every full-row read), in RowBinary order: the SQLite
 /// column list with `created_at` replaced by `created_at_us`, plus `row_version`.
-pub const INSERT_COLUMNS: [&str; 52] = [
+pub const INSERT_COLUMNS: [&str; 53] = [
     "request_id",
     "trace_id",
     "created_at_us",
@@ -122,6 +129,7 @@ pub const INSERT_COLUMNS: [&str; 52] = [
     "gpu_utilization",
     "gpu_memory_bandwidth",
     "cost_usd",
+    "client_request_id",
     "row_version",
 ];
 
@@ -365,6 +373,11 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "cost_usd Nullable(Float64): the request's cost at the configured prices",
         statements: v2,
     },
+    Migration {
+        version: 3,
+        description: "client_request_id Nullable(String): the client's own x-request-id (data, not the key)",
+        statements: v3,
+    },
 ];
 
 /// The newest schema version this build knows.
@@ -413,6 +426,45 @@ fn v2(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
     }
 }
 
+/// `ALTER TABLE db.<table> [ON CLUSTER c] ADD COLUMN [IF NOT EXISTS] client_request_id
+/// Nullable(String) AFTER cost_usd` (idempotent like [`add_cost_column`]).
+fn add_client_id_column(
+    d: &Dialect,
+    database: &str,
+    table: &str,
+    on_cluster: Option<&str>,
+) -> String {
+    format!(
+        "ALTER TABLE {database}.{table}{} ADD COLUMN {}client_request_id Nullable(String) AFTER cost_usd",
+        on_cluster_clause(on_cluster),
+        if d.is_modern() { "IF NOT EXISTS " } else { "" }
+    )
+}
+
+/// The skipping index on `client_request_id` (modern servers; data tables only).
+fn add_client_id_index(database: &str, table: &str, on_cluster: Option<&str>) -> String {
+    format!(
+        "ALTER TABLE {database}.{table}{} ADD INDEX IF NOT EXISTS idx_client_request_id client_request_id TYPE bloom_filter(0.01) GRANULARITY 4",
+        on_cluster_clause(on_cluster),
+    )
+}
+
+fn v3(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
+    let (data, dist, on) = match (cx.target, cx.cluster) {
+        (Target::Single, _) | (_, None) => (TABLE, None, None),
+        (Target::ClusterNode, Some(_)) => (LOCAL_TABLE, Some(TABLE), None),
+        (Target::OnCluster, Some(c)) => (LOCAL_TABLE, Some(TABLE), Some(c)),
+    };
+    let mut out = vec![add_client_id_column(d, cx.database, data, on)];
+    if d.skip_index {
+        out.push(add_client_id_index(cx.database, data, on));
+    }
+    if let Some(t) = dist {
+        out.push(add_client_id_column(d, cx.database, t, on));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -451,7 +503,7 @@ mod tests {
             assert!(!s.contains(absent), "{absent} in {s}");
         }
         // Every insert column is declared by v1 or added by v2 (`cost_usd`, placed after
-        // `gpu_memory_bandwidth`), in the same order.
+        // `gpu_memory_bandwidth`) or v3 (`client_request_id`, after `cost_usd`), in order.
         let mut declared: Vec<String> = d
             .columns()
             .iter()
@@ -463,6 +515,7 @@ mod tests {
             .position(|c| c == "gpu_memory_bandwidth")
             .expect("gpu_memory_bandwidth declared");
         declared.insert(at + 1, "cost_usd".to_owned());
+        declared.insert(at + 2, "client_request_id".to_owned());
         assert_eq!(declared, INSERT_COLUMNS.map(str::to_owned).to_vec());
         assert_eq!(
             (MIGRATIONS[1].statements)(&d, &single(None)),
@@ -472,6 +525,30 @@ mod tests {
         assert_eq!(
             (MIGRATIONS[1].statements)(&modern, &single(None)),
             ["ALTER TABLE db.llm_inference_log ADD COLUMN IF NOT EXISTS cost_usd Nullable(Float64) AFTER gpu_memory_bandwidth"]
+        );
+        assert_eq!(
+            (MIGRATIONS[2].statements)(&d, &single(None)),
+            ["ALTER TABLE db.llm_inference_log ADD COLUMN client_request_id Nullable(String) AFTER cost_usd"]
+        );
+        assert_eq!(
+            (MIGRATIONS[2].statements)(&modern, &single(None)),
+            [
+                "ALTER TABLE db.llm_inference_log ADD COLUMN IF NOT EXISTS client_request_id Nullable(String) AFTER cost_usd",
+                "ALTER TABLE db.llm_inference_log ADD INDEX IF NOT EXISTS idx_client_request_id client_request_id TYPE bloom_filter(0.01) GRANULARITY 4",
+            ]
+        );
+        let node = MigrationContext {
+            database: "db",
+            cluster: Some("c2"),
+            target: Target::OnCluster,
+            ttl_days: None,
+        };
+        assert_eq!(
+            (MIGRATIONS[2].statements)(&d, &node),
+            [
+                "ALTER TABLE db.llm_inference_log_local ON CLUSTER c2 ADD COLUMN client_request_id Nullable(String) AFTER cost_usd",
+                "ALTER TABLE db.llm_inference_log ON CLUSTER c2 ADD COLUMN client_request_id Nullable(String) AFTER cost_usd",
+            ]
         );
     }
 

@@ -20,7 +20,7 @@ fn server() -> Option<ClickHouseServer> {
 
 fn connect(url: &str) -> ClickHouseStore {
     let store = ClickHouseStore::connect_url(url).expect("connect");
-    assert_eq!(store.migrate().expect("migrate"), 2);
+    assert_eq!(store.migrate().expect("migrate"), 3);
     store
 }
 
@@ -84,6 +84,7 @@ fn full_record(id: &str) -> RequestRecord {
         gpu_utilization: Some(0.9375),
         gpu_memory_bandwidth: Some(0.625),
         cost_usd: Some(0.001_234_5),
+        client_request_id: Some("client-id".to_owned()),
     }
 }
 
@@ -137,13 +138,13 @@ fn round_trip_full_and_sparse() {
             .expect("query"),
         "2023-11-14 22:13:20\t1700000000123456\talice\t1234\t1000.5\n"
     );
-    assert_eq!(store.schema_version().expect("version"), 2);
+    assert_eq!(store.schema_version().expect("version"), 3);
     // Migrating again is a no-op.
-    assert_eq!(store.migrate().expect("migrate"), 2);
+    assert_eq!(store.migrate().expect("migrate"), 3);
     assert_eq!(
         ch.query("SELECT count() FROM rt.tokenscope_schema_migrations FINAL")
             .trim(),
-        "2"
+        "3"
     );
 }
 
@@ -324,12 +325,12 @@ fn concurrent_migrate_on_a_fresh_database() {
         })
         .collect();
     for t in threads {
-        assert_eq!(t.join().expect("join").expect("migrate"), 2);
+        assert_eq!(t.join().expect("join").expect("migrate"), 3);
     }
     assert_eq!(
         ch.query("SELECT count() FROM conc.tokenscope_schema_migrations FINAL")
             .trim(),
-        "2"
+        "3"
     );
     assert_eq!(
         ch.query("SELECT name FROM system.tables WHERE database = 'conc' ORDER BY name"),
@@ -667,4 +668,60 @@ fn report_matches_the_embedded_store() {
         assert!(!expected.is_empty());
         assert_eq!(got, expected, "{q:?}");
     }
+}
+
+#[test]
+fn v2_table_gains_client_request_id_and_keeps_its_rows() {
+    use tokenscope_clickhouse::schema::{MigrationContext, Target, MIGRATIONS};
+    let Some(ch) = server() else { return };
+    let version = ch.query("SELECT version()");
+    let dialect = tokenscope_clickhouse::Dialect::from_version(&version).expect("dialect");
+    // The table exactly as schema v2 left it, with one row written then (no client id).
+    ch.query("CREATE DATABASE IF NOT EXISTS mig");
+    let cx = MigrationContext {
+        database: "mig",
+        cluster: None,
+        target: Target::Single,
+        ttl_days: None,
+    };
+    for m in &MIGRATIONS[..2] {
+        for sql in (m.statements)(&dialect, &cx) {
+            ch.query(&sql);
+        }
+    }
+    ch.query(
+        "INSERT INTO mig.llm_inference_log (request_id, trace_id, created_at_us, model, upstream, \
+         request_type, endpoint, stream, http_status, outcome, input_tokens_source, \
+         output_tokens_source, queue_source, prefill_source, decode_source, total_duration_ms, \
+         row_version) VALUES ('v2-row', 't', 1700000000000000, 'm', 'u', 'chat', \
+         'chat_completions', 0, 200, 'ok', 'none', 'none', 'none', 'none', 'none', 1.5, 1)",
+    );
+    let store = ClickHouseStore::connect_url(&ch.url("mig")).expect("connect");
+    assert_eq!(store.migrate().expect("migrate"), 3);
+    // The column sits after cost_usd (the RowBinary layout), old rows read NULL.
+    let desc = ch.query("DESCRIBE TABLE mig.llm_inference_log");
+    let cols: Vec<&str> = desc
+        .lines()
+        .filter_map(|l| l.split('\t').next())
+        .filter(|c| ["cost_usd", "client_request_id", "row_version"].contains(c))
+        .collect();
+    assert_eq!(cols, ["cost_usd", "client_request_id", "row_version"]);
+    let old = store.get("v2-row").expect("get").expect("old row");
+    assert_eq!(old.client_request_id, None);
+    // Two requests with the same client id are two rows.
+    let mut a = sparse_record("key-a");
+    a.client_request_id = Some("shared".to_owned());
+    let mut b = sparse_record("key-b");
+    b.client_request_id = Some("shared".to_owned());
+    store.insert(&[a.clone(), b]).expect("insert");
+    assert_eq!(store.get("key-a").expect("get"), Some(a));
+    assert_eq!(
+        ch.query(
+            "SELECT count() FROM mig.llm_inference_log FINAL WHERE client_request_id = 'shared'"
+        )
+        .trim(),
+        "2"
+    );
+    // Migrating again is a no-op.
+    assert_eq!(store.migrate().expect("migrate again"), 3);
 }

@@ -247,7 +247,10 @@ impl InputBucket {
 /// One row per request. See the module docs for units.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct RequestRecord {
-    /// Incoming `x-request-id`, or a new UUIDv7.
+    /// The gateway's own id of this request (a UUIDv7), the store's key. Never taken from
+    /// the client: a client's id is data ([`client_request_id`](Self::client_request_id)),
+    /// so that a reused or forged id can neither collapse rows nor suppress another
+    /// client's row.
     pub request_id: String,
     /// W3C trace id (32 lower-case hex digits).
     pub trace_id: String,
@@ -352,6 +355,10 @@ pub struct RequestRecord {
     /// token prices, or a self-hosted model's GPU hourly cost spread over the tokens its
     /// model served recently); `None` = the model has no price (never 0 for "unknown").
     pub cost_usd: Option<f64>,
+    /// The client's own `x-request-id` when it sent a valid one (forwarded to the engine and
+    /// echoed back unchanged); `None` when it sent none. Not unique: searchable, never a key.
+    #[serde(default)]
+    pub client_request_id: Option<String>,
 }
 
 /// Engine-side phase values that arrive after the record was written (OTLP spans from vLLM or

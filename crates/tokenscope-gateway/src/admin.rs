@@ -5,8 +5,10 @@
 //!   Prometheus 0.0.4 text format.
 //! * `GET /healthz` — `ok`.
 //! * `GET /` — the built-in dashboard and `GET /api/dashboard/…` its JSON API
-//!   ([`crate::dashboard`]).
-//! * `GET /api/requests?limit=N` — the last N finished records, newest first (in memory).
+//!   ([`crate::dashboard`]; `[dashboard] token` guards the API and `/api/requests*`).
+//! * `GET /api/requests?limit=N[&client_request_id=ID]` — the last N finished records, newest
+//!   first (in memory); with `client_request_id`, only those whose client sent
+//!   `x-request-id: ID` (not unique: the key is the gateway's own `request_id`).
 //! * `GET /api/requests/{request_id}` — one recent record, 404 when not in memory.
 //! * `POST /v1/traces` — OTLP/HTTP (protobuf or JSON) receiver for engine spans; their
 //!   `gen_ai.latency.*` values are joined to the record with the same trace id.
@@ -110,6 +112,7 @@ async fn metrics(State(s): State<AdminState>, headers: axum::http::HeaderMap) ->
 #[derive(Deserialize)]
 struct Limit {
     limit: Option<usize>,
+    client_request_id: Option<String>,
 }
 
 async fn recent(State(s): State<AdminState>, Query(q): Query<Limit>) -> Response {
@@ -120,6 +123,11 @@ async fn recent(State(s): State<AdminState>, Query(q): Query<Limit>) -> Response
         .lock()
         .iter()
         .rev()
+        .filter(|r| {
+            q.client_request_id
+                .as_deref()
+                .is_none_or(|id| r.client_request_id.as_deref() == Some(id))
+        })
         .take(limit)
         .map(|r| (**r).clone())
         .collect::<Vec<_>>();

@@ -360,6 +360,12 @@ impl PipelineObserver for MetricsObserver {
     fn on_spooled(&self, rows: usize) {
         self.0.records_spooled(rows as u64);
     }
+    fn on_duplicate(&self, rows: usize, replayed: bool) {
+        self.0.records_duplicate(rows as u64, replayed);
+    }
+    fn on_store_reopened(&self, change: tokenscope_store::FileChange) {
+        self.0.store_reopened(change.as_str());
+    }
     fn on_store_error(&self, class: ErrorClass, _err: &StoreError) {
         self.0.store_error(class.as_str());
     }
@@ -372,6 +378,7 @@ impl PipelineObserver for MetricsObserver {
     fn on_spool_state(&self, st: SpoolState) {
         self.0
             .spool_state(st.bytes, st.batches, st.oldest_age, st.store_up);
+        self.0.records_held(st.held_rows);
     }
     fn on_update_unmatched(
         &self,
@@ -561,7 +568,7 @@ pub struct Gateway {
     admin: tokio::net::TcpListener,
     pipeline: PipelineHandle,
     /// The background runtime (see [`background_runtime`]).
-    bg: tokio::runtime::Runtime,
+    bg: BgRuntime,
     proxy_conns: Arc<server::Connections>,
     admin_conns: Arc<server::Connections>,
 }
@@ -570,7 +577,7 @@ pub struct Gateway {
 /// `/metrics`, OTLP receiver), engine-state and GPU scrapers, alert evaluation and trace
 /// export. One worker thread at nice `worker_priority` + 10 (at least 10; raising one's own nice value needs no privilege),
 /// so under contention the kernel favours the request path's threads.
-fn background_runtime(worker_priority: i32) -> Result<tokio::runtime::Runtime, GatewayError> {
+fn background_runtime(worker_priority: i32) -> Result<BgRuntime, GatewayError> {
     let nice = (worker_priority + 10).clamp(10, 19);
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -582,7 +589,26 @@ fn background_runtime(worker_priority: i32) -> Result<tokio::runtime::Runtime, G
         })
         .enable_all()
         .build()
+        .map(|rt| BgRuntime(Some(rt)))
         .map_err(GatewayError::Serve)
+}
+
+/// The background runtime, shut down without blocking when dropped (a plain `Runtime` panics
+/// when dropped inside async code, e.g. when `bind` fails after creating it).
+pub(crate) struct BgRuntime(Option<tokio::runtime::Runtime>);
+
+impl BgRuntime {
+    fn handle(&self) -> Option<&tokio::runtime::Handle> {
+        self.0.as_ref().map(tokio::runtime::Runtime::handle)
+    }
+}
+
+impl Drop for BgRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 /// What shutdown did.
@@ -602,12 +628,54 @@ impl Gateway {
     /// Opens the store, binds both listeners (port 0 allowed) and prepares the proxy.
     pub async fn bind(cfg: GatewayConfig) -> Result<Self, GatewayError> {
         cfg.validate()?;
+        // The store and the spool first, each proved writable with a real write (SQLite: a
+        // committed header update; spool: a probe file): an unwritable one refuses the start
+        // with its path and cause, before anything (runtime, scrapers, listeners) started.
+        let target = StoreTarget::parse(&cfg.store);
+        let store_err = |source: StoreError| GatewayError::Store {
+            path: target.display(),
+            source,
+        };
+        let sink = {
+            let t = target.clone();
+            tokio::task::spawn_blocking(move || open_sink(&t))
+                .await
+                .map_err(|e| {
+                    store_err(StoreError::Sink {
+                        sink: "store",
+                        class: ErrorClass::Other,
+                        message: format!("opening the store panicked: {e}"),
+                    })
+                })?
+                .map_err(store_err)?
+        };
+        let spool = if cfg.spool.enabled {
+            let dir = cfg
+                .spool
+                .dir
+                .as_ref()
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|| target.default_spool_dir());
+            let spool = Spool::open(SpoolConfig {
+                dir: dir.clone(),
+                max_bytes: cfg.spool.max_bytes,
+                segment_bytes: cfg.spool.segment_bytes,
+                fsync: cfg.spool.fsync,
+            })
+            .map_err(|e| GatewayError::Spool {
+                dir: dir.display().to_string(),
+                source: e,
+            })?;
+            Some(spool)
+        } else {
+            None
+        };
         // Background work (engine-state and GPU scrapers, alert evaluation, trace export and
         // later the admin listener) runs on its own runtime: a dashboard page or a large OTLP
         // body never waits in line with a request (docs/operations.md).
         let bg = background_runtime(cfg.worker_priority)?;
         let (metrics, upstreams, gpu, alerting, tracing, conn_metrics) = {
-            let _bg = bg.enter();
+            let _bg = bg.handle().map(tokio::runtime::Handle::enter);
             let mut metrics = Metrics::new(MetricsConfig {
                 max_models: cfg.metrics.max_models,
                 max_request_types: cfg.metrics.max_request_types,
@@ -695,24 +763,6 @@ impl Gateway {
             let tracing = start_tracing(&cfg.tracing, &metrics)?;
             (metrics, upstreams, gpu, alerting, tracing, conn_metrics)
         };
-        let target = StoreTarget::parse(&cfg.store);
-        let store_err = |source: StoreError| GatewayError::Store {
-            path: target.display(),
-            source,
-        };
-        let sink = {
-            let t = target.clone();
-            tokio::task::spawn_blocking(move || open_sink(&t))
-                .await
-                .map_err(|e| {
-                    store_err(StoreError::Sink {
-                        sink: "store",
-                        class: ErrorClass::Other,
-                        message: format!("opening the store panicked: {e}"),
-                    })
-                })?
-                .map_err(store_err)?
-        };
         let pipeline_cfg = PipelineConfig {
             capacity: cfg.pipeline.capacity,
             batch_size: cfg.pipeline.batch_size,
@@ -727,26 +777,9 @@ impl Gateway {
             ..PipelineConfig::default()
         };
         let observer = Arc::new(MetricsObserver(metrics.clone()));
-        let (recorder, pipeline) = if cfg.spool.enabled {
-            let dir = cfg
-                .spool
-                .dir
-                .as_ref()
-                .map(std::path::PathBuf::from)
-                .unwrap_or_else(|| target.default_spool_dir());
-            let spool = Spool::open(SpoolConfig {
-                dir: dir.clone(),
-                max_bytes: cfg.spool.max_bytes,
-                segment_bytes: cfg.spool.segment_bytes,
-                fsync: cfg.spool.fsync,
-            })
-            .map_err(|e| GatewayError::Spool {
-                dir: dir.display().to_string(),
-                source: e,
-            })?;
-            spawn_pipeline_with_spool(sink, pipeline_cfg, spool, observer)
-        } else {
-            spawn_pipeline(sink, pipeline_cfg, observer)
+        let (recorder, pipeline) = match spool {
+            Some(spool) => spawn_pipeline_with_spool(sink, pipeline_cfg, spool, observer),
+            None => spawn_pipeline(sink, pipeline_cfg, observer),
         };
         let bind = |addr: String| async move {
             tokio::net::TcpListener::bind(&addr)
@@ -904,7 +937,11 @@ impl Gateway {
             proxy_conns.clone(),
         ));
         // The admin listener (dashboard, /metrics, OTLP receiver) on the background runtime.
-        let admin_task = bg.spawn(server::serve(
+        let bg_handle = bg
+            .handle()
+            .cloned()
+            .unwrap_or_else(tokio::runtime::Handle::current);
+        let admin_task = bg_handle.spawn(server::serve(
             admin,
             admin_app,
             admin_limits,
@@ -973,7 +1010,7 @@ impl Gateway {
         })
         .await
         .unwrap_or_default();
-        bg.shutdown_background();
+        drop(bg);
         tracing::info!(
             in_flight_at_signal = in_flight,
             cut_at_deadline = cut,

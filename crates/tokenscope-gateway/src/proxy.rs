@@ -32,8 +32,12 @@ use tokenscope_core::prompt::{estimate_tokens, normalised_prompt, prompt_hash};
 use tokenscope_core::sse::EventSplitter;
 use tokenscope_core::{Endpoint, InputBucket, Outcome, RequestRecord};
 
-/// Header carrying the request id (in and out).
+/// Header carrying the client's request id (in, forwarded to the engine unchanged, and out):
+/// the client's own when it sent a valid one, the gateway's otherwise.
 pub const REQUEST_ID: &str = "x-request-id";
+/// Response header carrying the gateway's own request id: the store's key (`request_id`),
+/// always a UUIDv7 the gateway generated, whatever the client sent.
+pub const TOKENSCOPE_REQUEST_ID: &str = "x-tokenscope-request-id";
 /// Response header carrying the trace id.
 pub const TRACE_ID: &str = "x-tokenscope-trace-id";
 const H_USER: &str = "x-tokenscope-user";
@@ -135,13 +139,25 @@ fn copy_response_headers(src: &HeaderMap, dst: &mut HeaderMap, drop_length: bool
     }
 }
 
-fn set_ids(h: &mut HeaderMap, request_id: &str, trace_id: &str) {
-    if let Ok(v) = HeaderValue::from_str(request_id) {
+/// The response's id headers: `x-request-id` = `shown_id` (the client's own id when it sent
+/// one, ours otherwise), `x-tokenscope-request-id` = `key` (ours, the store's key), and the
+/// trace id.
+fn set_ids(h: &mut HeaderMap, shown_id: &str, key: &str, trace_id: &str) {
+    if let Ok(v) = HeaderValue::from_str(shown_id) {
         h.insert(HeaderName::from_static(REQUEST_ID), v);
+    }
+    if let Ok(v) = HeaderValue::from_str(key) {
+        h.insert(HeaderName::from_static(TOKENSCOPE_REQUEST_ID), v);
     }
     if let Ok(v) = HeaderValue::from_str(trace_id) {
         h.insert(HeaderName::from_static(TRACE_ID), v);
     }
+}
+
+/// `r` with the id headers of [`set_ids`].
+fn with_ids(mut r: Response, shown_id: &str, key: &str, trace_id: &str) -> Response {
+    set_ids(r.headers_mut(), shown_id, key, trace_id);
+    r
 }
 
 /// The API key presented by the client, if any (`Authorization: Bearer`, `x-api-key`, `api-key`).
@@ -165,15 +181,22 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     let max_attr = shared.cfg.limits.max_attribution_bytes;
     let attr = |name: &str| header_str(&parts.headers, name).map(|v| bounded(v, max_attr));
     let endpoint = Endpoint::from_path(parts.uri.path()).unwrap_or_default();
-    let request_id = header_str(&parts.headers, REQUEST_ID)
+    // The key is always ours: a client's id is data (a reused or forged one must neither
+    // collapse rows nor suppress another client's row). The client's id travels on unchanged.
+    let request_id = uuid::Uuid::now_v7().to_string();
+    let client_request_id = header_str(&parts.headers, REQUEST_ID)
         .filter(|s| valid_request_id(s))
-        .map_or_else(|| uuid::Uuid::now_v7().to_string(), str::to_owned);
+        .map(str::to_owned);
+    let shown_id = client_request_id
+        .clone()
+        .unwrap_or_else(|| request_id.clone());
     let trace = tokenscope_trace::RequestTrace::start(header_str(&parts.headers, "traceparent"));
     let trace_id = trace.trace_id_hex();
     let traceparent = trace.upstream_traceparent();
 
     let rec = RequestRecord {
         request_id: request_id.clone(),
+        client_request_id,
         trace_id: trace_id.clone(),
         created_at,
         endpoint,
@@ -214,7 +237,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
-        return too_large(guard, limit, &request_id, &trace_id);
+        return too_large(guard, limit, &shown_id, &request_id, &trace_id);
     }
     let body_timeout = std::time::Duration::from_millis(shared.cfg.limits.body_timeout_ms);
     let Ok(read) = tokio::time::timeout(
@@ -235,7 +258,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
             "client_body_timeout",
             "the request body did not arrive within limits.body_timeout_ms",
         );
-        set_ids(resp.headers_mut(), &request_id, &trace_id);
+        set_ids(resp.headers_mut(), &shown_id, &request_id, &trace_id);
         return resp;
     };
     let body_bytes = match read {
@@ -244,16 +267,21 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
             if e.downcast_ref::<http_body_util::LengthLimitError>()
                 .is_some()
             {
-                return too_large(guard, limit, &request_id, &trace_id);
+                return too_large(guard, limit, &shown_id, &request_id, &trace_id);
             }
             guard.finish(
                 Instant::now(),
                 Some((Outcome::Cancelled, "client_body_error")),
             );
-            return error_response(
-                StatusCode::BAD_REQUEST,
-                "client_body_error",
-                "could not read the request body",
+            return with_ids(
+                error_response(
+                    StatusCode::BAD_REQUEST,
+                    "client_body_error",
+                    "could not read the request body",
+                ),
+                &shown_id,
+                &request_id,
+                &trace_id,
             );
         }
     };
@@ -330,10 +358,15 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
             Instant::now(),
             Some((Outcome::UpstreamError, "no_upstream")),
         );
-        return error_response(
-            StatusCode::BAD_GATEWAY,
-            "no_upstream",
-            "no upstream is configured for this model",
+        return with_ids(
+            error_response(
+                StatusCode::BAD_GATEWAY,
+                "no_upstream",
+                "no upstream is configured for this model",
+            ),
+            &shown_id,
+            &request_id,
+            &trace_id,
         );
     };
     if let Some(p) = guard.get() {
@@ -363,7 +396,12 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         Ok(u) => u,
         Err(e) => {
             guard.finish(Instant::now(), Some((Outcome::ClientError, "bad_uri")));
-            return error_response(StatusCode::BAD_REQUEST, "bad_uri", &e.to_string());
+            return with_ids(
+                error_response(StatusCode::BAD_REQUEST, "bad_uri", &e.to_string()),
+                &shown_id,
+                &request_id,
+                &trace_id,
+            );
         }
     };
     let mut up = http::Request::builder()
@@ -375,7 +413,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         if let Ok(v) = HeaderValue::from_str(&traceparent) {
             h.insert(HeaderName::from_static("traceparent"), v);
         }
-        if let Ok(v) = HeaderValue::from_str(&request_id) {
+        if let Ok(v) = HeaderValue::from_str(&shown_id) {
             h.insert(HeaderName::from_static(REQUEST_ID), v);
         }
         h.insert(
@@ -387,7 +425,12 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         Ok(r) => r,
         Err(e) => {
             guard.finish(Instant::now(), Some((Outcome::ClientError, "bad_request")));
-            return error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string());
+            return with_ids(
+                error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string()),
+                &shown_id,
+                &request_id,
+                &trace_id,
+            );
         }
     };
 
@@ -410,7 +453,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
                 "upstream_timeout",
                 "the upstream did not answer in time",
             );
-            set_ids(r.headers_mut(), &request_id, &trace_id);
+            set_ids(r.headers_mut(), &shown_id, &request_id, &trace_id);
             return r;
         }
         Ok(Err(e)) => {
@@ -425,7 +468,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
                 kind,
                 &format!("upstream {}: {e}", upstream.name),
             );
-            set_ids(r.headers_mut(), &request_id, &trace_id);
+            set_ids(r.headers_mut(), &shown_id, &request_id, &trace_id);
             return r;
         }
         Ok(Ok(r)) => r,
@@ -469,11 +512,17 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     let mut out = Response::new(Body::new(metered));
     *out.status_mut() = rparts.status;
     copy_response_headers(&rparts.headers, out.headers_mut(), drop_length);
-    set_ids(out.headers_mut(), &request_id, &trace_id);
+    set_ids(out.headers_mut(), &shown_id, &request_id, &trace_id);
     out
 }
 
-fn too_large(mut guard: RecordGuard, limit: usize, request_id: &str, trace_id: &str) -> Response {
+fn too_large(
+    mut guard: RecordGuard,
+    limit: usize,
+    shown_id: &str,
+    request_id: &str,
+    trace_id: &str,
+) -> Response {
     if let Some(p) = guard.get() {
         p.rec.http_status = 413;
     }
@@ -486,7 +535,7 @@ fn too_large(mut guard: RecordGuard, limit: usize, request_id: &str, trace_id: &
         "body_too_large",
         &format!("request body exceeds {limit} bytes"),
     );
-    set_ids(r.headers_mut(), request_id, trace_id);
+    set_ids(r.headers_mut(), shown_id, request_id, trace_id);
     r
 }
 

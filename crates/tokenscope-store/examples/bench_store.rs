@@ -257,6 +257,7 @@ impl Gen {
             gpu_utilization: Some(0.5 + r.f() * 0.5),
             gpu_memory_bandwidth: Some(0.3 + r.f() * 0.6),
             cost_usd: None,
+            client_request_id: None,
         }
     }
 }

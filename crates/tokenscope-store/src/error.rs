@@ -28,6 +28,14 @@ pub enum StoreError {
         /// The oldest schema version this build reads.
         expected: u32,
     },
+    /// The store cannot be written (checked with a real write when the writer opens it).
+    #[error("{}: the store cannot be written: {cause}", path.display())]
+    NotWritable {
+        /// The database file.
+        path: PathBuf,
+        /// What the write attempt answered.
+        cause: String,
+    },
     /// A read-only open found no tokenscope schema in the file.
     #[error("{0}: not a tokenscope database (no schema); open it read-write once to create it")]
     NoSchema(PathBuf),

@@ -46,4 +46,4 @@ pub use report::{
     Format, Quantiles, ReportQuery, ReportRow, ReportSelect, ScanValue, Scanner, NONE_LABEL,
 };
 pub use spool::{Append, Spool, SpoolConfig, SpoolEntry, SpoolError};
-pub use sqlite::SqliteStore;
+pub use sqlite::{FileChange, SqliteStore};

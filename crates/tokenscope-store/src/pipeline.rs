@@ -30,14 +30,29 @@
 //!   is spooled after the batches spooled meanwhile (order is only per-batch FIFO: rows are
 //!   keyed, and an engine update that overtakes its row waits for it in the sink).
 //! * **Every record is accounted for.** Each record passed to `record` ends up in exactly one
-//!   of: *written* (the sink accepted its batch, possibly after a replay), *dropped* (queue
-//!   full or pipeline closed — [`PipelineObserver::on_dropped`], [`Recorder::dropped`]),
-//!   *spooled* and still on disk (replayed later or on the next start), or *lost*
+//!   of: *written* (the sink inserted it, possibly after a replay — [`Recorder::written`]
+//!   counts rows the store really added), *duplicate* (the sink already held a row with its
+//!   `request_id`: a replay of a batch it had taken — [`Recorder::duplicates`],
+//!   [`PipelineObserver::on_duplicate`]), *dropped* (queue full or pipeline closed —
+//!   [`PipelineObserver::on_dropped`], [`Recorder::dropped`]), *spooled* and still on disk
+//!   (replayed later or on the next start), *held* in memory (below), or *lost*
 //!   ([`PipelineObserver::on_lost`], [`Recorder::lost`]) for one of the [`LossReason`]s: the
-//!   spool is full (its cap is hit) or failed, there is no spool and the batch failed every
-//!   retry, or the store rejected the batch's data itself ([`ErrorClass::Rejected`]) on every
-//!   attempt. With a spool and a store that eventually accepts the data, nothing is lost
-//!   unless the spool cap is hit.
+//!   spool is full (its cap is hit), a batch could not be encoded or a spooled one decoded,
+//!   there is no spool and the batch failed every retry, the store rejected the batch's data
+//!   itself ([`ErrorClass::Rejected`]) on every attempt, the in-memory hold was full, or the
+//!   shutdown deadline passed while a batch was held. With a spool and a store that
+//!   eventually accepts the data, nothing is lost unless the spool cap or the hold bound is
+//!   hit.
+//! * **A failing disk holds, it does not lose.** A batch the spool cannot take because the
+//!   disk refuses the write (full, I/O error) — after the store refused it too, or while the
+//!   store is marked failing — is *held* in memory ([`SpoolState::held_rows`]), at most
+//!   [`PipelineConfig::capacity`] rows (records + updates) in all; beyond that bound a batch
+//!   is lost ([`LossReason::HoldFull`]). The sender retries held batches oldest first with
+//!   exponential backoff (100 ms doubling up to [`PipelineConfig::retry_backoff_max`]): the
+//!   sink first (when nothing spooled waits before them), then the spool. At shutdown it
+//!   keeps retrying until shortly before the deadline; what is still held then is lost
+//!   ([`LossReason::Shutdown`]). New batches are not sent straight to the sink while
+//!   anything is held.
 //! * Only the first drop is logged (`warn`); later ones are only counted, so a saturated
 //!   pipeline cannot flood the logs. Store errors are logged when their class changes and
 //!   then at most every 30 s while they persist; recovery is logged once.
@@ -72,6 +87,7 @@
 //!   [`RecordSink::take_unmatched`], and reported via
 //!   [`PipelineObserver::on_update_unmatched`] and [`Recorder::updates_unmatched`].
 
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
@@ -84,13 +100,22 @@ use tokenscope_core::{PhaseUpdate, RequestRecord};
 
 use crate::pending::{UnmatchedCounts, UnmatchedReason};
 use crate::spool::{Append, Spool};
-use crate::{ErrorClass, SqliteStore, StoreError};
+use crate::{ErrorClass, FileChange, SqliteStore, StoreError};
 
 /// Where batches of records end up. Implementations run on the writer thread only.
 pub trait RecordSink: Send + 'static {
     /// Writes one batch. Must be idempotent per `request_id`: a batch may be retried after
     /// an error.
     fn write_batch(&mut self, batch: &[RequestRecord]) -> Result<(), StoreError>;
+    /// Writes one batch like [`write_batch`](RecordSink::write_batch) and returns how many of
+    /// its records the store did not hold yet (the others were already stored under their
+    /// `request_id`: a batch replayed after a crash, or retried after an ambiguous failure).
+    /// The pipeline counts those as written and the rest as duplicates. Default: every record
+    /// counts as new (ClickHouse: keys are unique per request, and a re-sent row collapses
+    /// with its first copy at merge time, so rows sent are rows stored).
+    fn write_batch_counted(&mut self, batch: &[RequestRecord]) -> Result<usize, StoreError> {
+        self.write_batch(batch).map(|()| batch.len())
+    }
     /// Applies late engine values to already written records, joined by trace id (see
     /// [`PhaseUpdate`]). Called after the same flush's `write_batch`. Must be idempotent (it
     /// may be retried). An update whose record is not written yet should be kept and applied
@@ -110,6 +135,11 @@ pub trait RecordSink: Send + 'static {
     fn take_recovered(&mut self) -> Vec<StoreError> {
         Vec::new()
     }
+    /// Times since the last call that the sink found its file unlinked or replaced under it
+    /// and reopened (recreated) it. Default: none.
+    fn take_reopened(&mut self) -> Vec<FileChange> {
+        Vec::new()
+    }
     /// Short name for logs and errors.
     fn name(&self) -> &'static str;
 }
@@ -119,8 +149,16 @@ impl RecordSink for SqliteStore {
         self.insert_batch(batch).map(|_| ())
     }
 
+    fn write_batch_counted(&mut self, batch: &[RequestRecord]) -> Result<usize, StoreError> {
+        self.insert_batch(batch)
+    }
+
     fn apply_updates(&mut self, updates: &[PhaseUpdate]) -> Result<(), StoreError> {
         SqliteStore::apply_updates(self, updates).map(|_| ())
+    }
+
+    fn take_reopened(&mut self) -> Vec<FileChange> {
+        SqliteStore::take_reopened(self)
     }
 
     fn take_unmatched(&mut self, shutting_down: bool) -> UnmatchedCounts {
@@ -162,15 +200,23 @@ pub enum LossReason {
     WriteFailed,
     /// The store rejected the batch's data itself ([`ErrorClass::Rejected`]) on every attempt.
     Rejected,
+    /// Neither the store nor the spool took the batch (e.g. a full disk) and the in-memory
+    /// hold was already at its bound ([`PipelineConfig::capacity`] rows).
+    HoldFull,
+    /// The batch was held in memory (store and spool failing) when the shutdown deadline
+    /// passed.
+    Shutdown,
 }
 
 impl LossReason {
     /// Every reason, in label order.
-    pub const ALL: [LossReason; 4] = [
+    pub const ALL: [LossReason; 6] = [
         LossReason::SpoolFull,
         LossReason::SpoolError,
         LossReason::WriteFailed,
         LossReason::Rejected,
+        LossReason::HoldFull,
+        LossReason::Shutdown,
     ];
 
     /// Stable lower-case name (metric label).
@@ -180,6 +226,8 @@ impl LossReason {
             LossReason::SpoolError => "spool_error",
             LossReason::WriteFailed => "write_failed",
             LossReason::Rejected => "rejected",
+            LossReason::HoldFull => "hold_full",
+            LossReason::Shutdown => "shutdown",
         }
     }
 }
@@ -195,6 +243,9 @@ pub struct SpoolState {
     pub oldest_age: Duration,
     /// The store accepted the last write (and the spool is empty, or draining).
     pub store_up: bool,
+    /// Rows (records + updates) held in memory because neither the store nor the spool took
+    /// their batch (a full or failing disk); retried with backoff.
+    pub held_rows: u64,
 }
 
 /// Hooks for metrics (implemented by the telemetry crate). Every method has a no-op default.
@@ -209,6 +260,12 @@ pub trait PipelineObserver: Send + Sync + 'static {
     /// duration; `replayed` when the batch came from the spool (its rows had already left
     /// memory when they were spooled).
     fn on_written(&self, _rows: usize, _latency: Duration, _replayed: bool) {}
+    /// `rows` records of a written batch were already in the store under their `request_id`
+    /// (a replay or retry of a batch it had taken) and were not inserted again; `replayed` as
+    /// for [`on_written`](PipelineObserver::on_written).
+    fn on_duplicate(&self, _rows: usize, _replayed: bool) {}
+    /// The sink found its file unlinked or replaced under it and reopened (recreated) it.
+    fn on_store_reopened(&self, _change: FileChange) {}
     /// `rows` records left memory for the spool.
     fn on_spooled(&self, _rows: usize) {}
     /// A store call failed (every attempt, including those retried later).
@@ -368,6 +425,8 @@ struct Shared {
     enqueued: AtomicU64,
     dropped: AtomicU64,
     written: AtomicU64,
+    /// Records the sink already held (not inserted again).
+    duplicates: AtomicU64,
     lost: AtomicU64,
     updates_enqueued: AtomicU64,
     updates_unmatched: AtomicU64,
@@ -475,9 +534,16 @@ impl Recorder {
         self.shared.dropped.load(Ordering::Relaxed)
     }
 
-    /// Records written by the sink so far (monotonic).
+    /// Records the sink inserted so far (monotonic): rows really added to the store, not
+    /// records it already held ([`Recorder::duplicates`]).
     pub fn written(&self) -> u64 {
         self.shared.written.load(Ordering::Relaxed)
+    }
+
+    /// Records delivered to the sink that it already held under their `request_id` (a spool
+    /// replay of a batch it had taken), so not inserted again (monotonic).
+    pub fn duplicates(&self) -> u64 {
+        self.shared.duplicates.load(Ordering::Relaxed)
     }
 
     /// Records whose batch failed after every retry (monotonic).
@@ -487,7 +553,7 @@ impl Recorder {
 
     /// Records accepted but neither written nor lost yet (queue + the writer's batch).
     pub fn pending(&self) -> u64 {
-        let done = self.written() + self.lost();
+        let done = self.written() + self.duplicates() + self.lost();
         self.queued().saturating_sub(done)
     }
 }
@@ -513,8 +579,10 @@ impl std::fmt::Debug for PipelineHandle {
 pub struct ShutdownReport {
     /// Records accepted into the queue over the pipeline's life.
     pub enqueued: u64,
-    /// Records written over the pipeline's life (replayed ones from an earlier run included).
+    /// Records inserted over the pipeline's life (replayed ones from an earlier run included).
     pub written: u64,
+    /// Records delivered that the store already held (not inserted again).
+    pub duplicates: u64,
     /// Records and updates dropped before the queue over the pipeline's life.
     pub dropped: u64,
     /// Records lost over the pipeline's life (see [`LossReason`]).
@@ -533,8 +601,9 @@ pub struct ShutdownReport {
 }
 
 impl PipelineHandle {
-    /// Forces a flush of everything queued so far and waits until it is written or safely
-    /// spooled (after at most one replay attempt of the spool). Blocking: for tests and the
+    /// Forces a flush of everything queued so far and waits until it is written, safely
+    /// spooled or held in memory because neither the store nor the spool takes it (after at
+    /// most one replay attempt of the spool). Blocking: for tests and the
     /// admin API, never the request path.
     pub fn flush(&self) {
         let (ack_tx, ack_rx) = mpsc::sync_channel(1);
@@ -577,9 +646,10 @@ impl PipelineHandle {
             );
         }
         let s = &self.shared;
-        let (enqueued, written, lost, spooled) = (
+        let (enqueued, written, duplicates, lost, spooled) = (
             s.enqueued.load(Ordering::SeqCst),
             s.written.load(Ordering::SeqCst),
+            s.duplicates.load(Ordering::SeqCst),
             s.lost.load(Ordering::SeqCst),
             s.spooled.load(Ordering::SeqCst),
         );
@@ -594,12 +664,13 @@ impl PipelineHandle {
         ShutdownReport {
             enqueued,
             written,
+            duplicates,
             dropped: s.dropped.load(Ordering::SeqCst),
             lost,
             spooled,
             spooled_batches,
             abandoned: if timed_out {
-                enqueued.saturating_sub(written + lost + spooled)
+                enqueued.saturating_sub(written + duplicates + lost + spooled)
             } else {
                 0
             },
@@ -683,6 +754,7 @@ fn spawn(
         enqueued: AtomicU64::new(0),
         dropped: AtomicU64::new(0),
         written: AtomicU64::new(0),
+        duplicates: AtomicU64::new(0),
         lost: AtomicU64::new(0),
         updates_enqueued: AtomicU64::new(0),
         updates_unmatched: AtomicU64::new(0),
@@ -694,7 +766,11 @@ fn spawn(
         delivery: Mutex::new(Delivery {
             healthy: spool.as_ref().is_none_or(Spool::is_empty),
             spool,
+            held: VecDeque::new(),
+            held_rows: 0,
         }),
+        hold_cap: cfg.capacity,
+        warned_hold: AtomicBool::new(false),
         state: Mutex::new(SpoolState::default()),
         jobs: job_tx,
         shared: Arc::clone(&shared),
@@ -728,6 +804,8 @@ fn spawn(
         deadline: None,
         retry_at: None,
         attempt: 0,
+        held_retry_at: None,
+        held_attempt: 0,
         last_error: None,
     };
     let mut threads = Vec::with_capacity(2);
@@ -797,6 +875,21 @@ struct Delivery {
     /// `false` from a failed write until the spool is drained again: new batches go to the
     /// spool, not to the sink.
     healthy: bool,
+    /// Batches neither the sink nor the spool took (a full or failing disk), oldest first;
+    /// the sender retries them (sink first, then spool) with backoff.
+    held: VecDeque<Batch>,
+    /// Rows (records + updates) in `held`; at most `Link::hold_cap`.
+    held_rows: usize,
+}
+
+/// Why a batch could not be appended to the spool.
+enum SpoolFail {
+    /// The spool's size cap: retrying cannot help until the store drains it.
+    Full,
+    /// The batch cannot be encoded: retrying cannot help.
+    Encode,
+    /// The disk refused the write (full, I/O error): may succeed later.
+    Io,
 }
 
 struct Link {
@@ -806,6 +899,10 @@ struct Link {
     jobs: SyncSender<Job>,
     shared: Arc<Shared>,
     has_spool: bool,
+    /// Most rows held in memory when neither the sink nor the spool takes them.
+    hold_cap: usize,
+    /// A failed spool append was logged since nothing was last held.
+    warned_hold: AtomicBool,
 }
 
 fn now_ms() -> u64 {
@@ -828,7 +925,7 @@ impl Link {
             return false;
         }
         let d = self.lock();
-        !d.healthy || d.spool.as_ref().is_some_and(|s| !s.is_empty())
+        !d.healthy || d.spool.as_ref().is_some_and(|s| !s.is_empty()) || !d.held.is_empty()
     }
 
     fn state(&self) -> SpoolState {
@@ -846,9 +943,11 @@ impl Link {
                     .map(|at| Duration::from_millis(now_ms().saturating_sub(at)))
                     .unwrap_or_default(),
                 store_up: d.healthy,
+                held_rows: d.held_rows as u64,
             },
             None => SpoolState {
                 store_up: d.healthy,
+                held_rows: d.held_rows as u64,
                 ..SpoolState::default()
             },
         };
@@ -856,19 +955,29 @@ impl Link {
         self.shared.obs.on_spool_state(st);
     }
 
-    /// Appends `batch` to the spool (the caller holds the lock and checked there is one). On
-    /// failure its records are lost and counted.
+    /// Appends `batch` to the spool (the caller holds the lock and checked there is one).
+    /// When the disk refuses the write (full, I/O error) the batch is held in memory and
+    /// retried by the sender ([`Link::hold`]); when the spool's cap is hit, or the batch
+    /// cannot be encoded, its records are lost and counted.
     fn spill(&self, d: &mut Delivery, batch: Batch, in_memory: bool) {
+        match self.try_spool(d, &batch, in_memory) {
+            Ok(()) => {}
+            Err(SpoolFail::Full) => self.lose(batch, LossReason::SpoolFull, in_memory),
+            Err(SpoolFail::Encode) => self.lose(batch, LossReason::SpoolError, in_memory),
+            Err(SpoolFail::Io) => self.hold(d, batch, in_memory),
+        }
+    }
+
+    /// One append of `batch` to the spool; counts it as spooled when it was in memory.
+    fn try_spool(&self, d: &mut Delivery, batch: &Batch, in_memory: bool) -> Result<(), SpoolFail> {
         let Some(spool) = d.spool.as_mut() else {
-            self.lose(batch, LossReason::SpoolError, in_memory);
-            return;
+            return Err(SpoolFail::Io);
         };
-        let payload = match serde_json::to_vec(&batch) {
+        let payload = match serde_json::to_vec(batch) {
             Ok(p) => p,
             Err(e) => {
-                tracing::error!(error = %e, "could not encode a batch for the spool");
-                self.lose(batch, LossReason::SpoolError, in_memory);
-                return;
+                tracing::error!(error = %e, "could not encode a batch for the spool (its records are LOST)");
+                return Err(SpoolFail::Encode);
             }
         };
         match spool.append(&payload) {
@@ -879,6 +988,7 @@ impl Link {
                     self.shared.obs.on_spooled(rows);
                 }
                 self.publish(d);
+                Ok(())
             }
             Ok(Append::Full) => {
                 tracing::error!(
@@ -886,13 +996,36 @@ impl Link {
                     spool_bytes = spool.bytes(),
                     "tokenscope spool is full (its size cap is hit): the batch's records are LOST"
                 );
-                self.lose(batch, LossReason::SpoolFull, in_memory);
+                Err(SpoolFail::Full)
             }
             Err(e) => {
-                tracing::error!(error = %e, rows = batch.records.len(), "could not write to the tokenscope spool: the batch's records are LOST");
-                self.lose(batch, LossReason::SpoolError, in_memory);
+                // Logged once per episode (until nothing is held any more), then only counted.
+                if !self.warned_hold.swap(true, Ordering::Relaxed) {
+                    tracing::error!(error = %e, rows = batch.records.len(), "could not write to the tokenscope spool; batches are held in memory (up to the pipeline capacity) and retried, store first, then spool");
+                }
+                Err(SpoolFail::Io)
             }
         }
+    }
+
+    /// Keeps a batch that neither the sink nor the spool took in memory, for the sender to
+    /// retry; past `hold_cap` rows it is lost ([`LossReason::HoldFull`]).
+    fn hold(&self, d: &mut Delivery, batch: Batch, in_memory: bool) {
+        let rows = batch.len();
+        if d.held_rows + rows > self.hold_cap {
+            tracing::error!(
+                rows = batch.records.len(),
+                held_rows = d.held_rows,
+                bound = self.hold_cap,
+                "store and spool both fail and the in-memory hold is full: the batch's records are LOST"
+            );
+            self.lose(batch, LossReason::HoldFull, in_memory);
+            return;
+        }
+        d.held_rows += rows;
+        d.held.push_back(batch);
+        d.healthy = false;
+        self.publish(d);
     }
 
     /// Counts a batch's records as lost and its updates as unmatched.
@@ -1115,6 +1248,10 @@ struct Sender {
     retry_at: Option<Instant>,
     /// Consecutive failed replay attempts (drives the backoff).
     attempt: u32,
+    /// When the held batches may be tried again.
+    held_retry_at: Option<Instant>,
+    /// Consecutive failed attempts at the held batches (drives their backoff).
+    held_attempt: u32,
     /// Class of the last logged error and when it was logged.
     last_error: Option<(ErrorClass, Instant)>,
 }
@@ -1128,6 +1265,9 @@ impl Sender {
             let mut wake = housekeeping_at.min(state_at);
             if self.spool_pending() {
                 wake = wake.min(self.retry_at.unwrap_or(now));
+            }
+            if self.held_pending() {
+                wake = wake.min(self.held_retry_at.unwrap_or(now));
             }
             match self.jobs.recv_timeout(wake.saturating_duration_since(now)) {
                 Ok(Job::Batch(b)) => self.write_direct(b),
@@ -1149,6 +1289,7 @@ impl Sender {
                     }
                     self.retry_at = None;
                     self.replay(false);
+                    self.drain_held(deadline);
                     self.collect_unmatched(true);
                     let d = self.link.lock();
                     self.link.publish(&d);
@@ -1156,9 +1297,13 @@ impl Sender {
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
+                    self.drain_held(Instant::now() + Duration::from_secs(5));
                     self.collect_unmatched(true);
                     return;
                 }
+            }
+            if self.held_pending() && self.held_retry_at.is_none_or(|r| Instant::now() >= r) {
+                self.retry_held();
             }
             let now = Instant::now();
             if self.spool_pending() && self.retry_at.is_none_or(|r| now >= r) {
@@ -1174,6 +1319,103 @@ impl Sender {
                 state_at = now + STATE_INTERVAL;
             }
         }
+    }
+
+    fn held_pending(&self) -> bool {
+        !self.link.lock().held.is_empty()
+    }
+
+    /// Retries the held batches, oldest first: the sink first (it may have room when the
+    /// spool's disk has none), then the spool. Stops at the first batch neither takes, which
+    /// goes back to the front and is retried after a backoff.
+    fn retry_held(&mut self) {
+        loop {
+            let batch = {
+                let mut d = self.link.lock();
+                match d.held.pop_front() {
+                    Some(b) => {
+                        d.held_rows = d.held_rows.saturating_sub(b.len());
+                        b
+                    }
+                    None => {
+                        self.held_attempt = 0;
+                        self.held_retry_at = None;
+                        if !d.healthy && d.spool.as_ref().is_none_or(Spool::is_empty) {
+                            // Everything held was taken and nothing waits in the spool.
+                            d.healthy = true;
+                        }
+                        if self.link.warned_hold.swap(false, Ordering::Relaxed) {
+                            tracing::info!("tokenscope: every batch held in memory was delivered (store or spool)");
+                        }
+                        self.link.publish(&d);
+                        return;
+                    }
+                }
+            };
+            // Only straight to the sink when nothing spooled waits before it.
+            if !self.spool_pending() {
+                match self.attempt_write(&batch) {
+                    Ok((latency, inserted)) => {
+                        self.written(&batch, latency, false, inserted);
+                        continue;
+                    }
+                    Err(err) => self.failed(&err),
+                }
+            }
+            let mut d = self.link.lock();
+            match self.link.try_spool(&mut d, &batch, true) {
+                Ok(()) => {}
+                Err(SpoolFail::Full) => self.link.lose(batch, LossReason::SpoolFull, true),
+                Err(SpoolFail::Encode) => self.link.lose(batch, LossReason::SpoolError, true),
+                Err(SpoolFail::Io) => {
+                    d.held_rows += batch.len();
+                    d.held.push_front(batch);
+                    d.healthy = false;
+                    self.link.publish(&d);
+                    self.held_attempt += 1;
+                    self.link.shared.obs.on_retry();
+                    let backoff = REPLAY_BACKOFF_BASE
+                        .saturating_mul(1_u32 << self.held_attempt.min(16))
+                        .min(self.cfg.retry_backoff_max);
+                    self.held_retry_at = Some(Instant::now() + backoff);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Shutdown: retries the held batches until they are taken or shortly before `deadline`
+    /// (a quarter of the time left, at most 500 ms, is kept to count and exit before the
+    /// owner stops waiting); what is still held then is lost ([`LossReason::Shutdown`]).
+    fn drain_held(&mut self, deadline: Instant) {
+        let now = Instant::now();
+        let margin = (deadline.saturating_duration_since(now) / 4).min(Duration::from_millis(500));
+        let deadline = deadline.checked_sub(margin).unwrap_or(now).max(now);
+        while self.held_pending() {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            if self.held_retry_at.is_none_or(|r| now >= r) {
+                self.retry_held();
+            } else {
+                let until = self.held_retry_at.unwrap_or(now).min(deadline);
+                std::thread::sleep(until.saturating_duration_since(now));
+            }
+        }
+        let mut d = self.link.lock();
+        let held = std::mem::take(&mut d.held);
+        d.held_rows = 0;
+        if !held.is_empty() {
+            tracing::error!(
+                batches = held.len(),
+                "store and spool still fail at the shutdown deadline: the held batches' records are LOST"
+            );
+        }
+        for b in held {
+            self.link.lose(b, LossReason::Shutdown, true);
+        }
+        self.link.publish(&d);
     }
 
     fn spool_pending(&self) -> bool {
@@ -1195,8 +1437,10 @@ impl Sender {
                 records, updates, ..
             } = batch;
             if !records.is_empty() {
-                match self.with_retries(records.len(), |sink| sink.write_batch(&records)) {
-                    Ok(latency) => self.written_rows(records.len(), latency, false),
+                match self.with_retries(records.len(), |sink| sink.write_batch_counted(&records)) {
+                    Ok((latency, inserted)) => {
+                        self.written_rows(records.len(), inserted, latency, false)
+                    }
                     Err(_) => self.link.lose(
                         Batch {
                             records,
@@ -1209,7 +1453,9 @@ impl Sender {
             }
             if !updates.is_empty()
                 && self
-                    .with_retries(updates.len(), |sink| sink.apply_updates(&updates))
+                    .with_retries(updates.len(), |sink| {
+                        sink.apply_updates(&updates).map(|()| 0)
+                    })
                     .is_err()
             {
                 self.link.lose(
@@ -1226,14 +1472,15 @@ impl Sender {
         }
         {
             let mut d = self.link.lock();
-            let busy = !d.healthy || d.spool.as_ref().is_some_and(|s| !s.is_empty());
+            let busy =
+                !d.healthy || d.spool.as_ref().is_some_and(|s| !s.is_empty()) || !d.held.is_empty();
             if busy {
                 self.link.spill(&mut d, batch, true);
                 return;
             }
         }
         match self.attempt_write(&batch) {
-            Ok(latency) => self.written(&batch, latency, false),
+            Ok((latency, inserted)) => self.written(&batch, latency, false, inserted),
             Err(err) => {
                 self.failed(&err);
                 let mut d = self.link.lock();
@@ -1256,7 +1503,7 @@ impl Sender {
                 match spool.peek() {
                     Ok(Some(e)) => e,
                     Ok(None) => {
-                        if !d.healthy {
+                        if !d.healthy && d.held.is_empty() {
                             d.healthy = true;
                             tracing::info!("store recovered; tokenscope spool fully replayed");
                         }
@@ -1283,9 +1530,9 @@ impl Sender {
                 }
             };
             match self.attempt_write(&batch) {
-                Ok(latency) => {
+                Ok((latency, inserted)) => {
                     self.ack(entry.seq);
-                    self.written(&batch, latency, true);
+                    self.written(&batch, latency, true, inserted);
                     self.attempt = 0;
                     self.retry_at = None;
                 }
@@ -1336,18 +1583,29 @@ impl Sender {
         self.link.publish(&d);
     }
 
-    fn written(&mut self, batch: &Batch, latency: Duration, replayed: bool) {
-        self.written_rows(batch.records.len(), latency, replayed);
+    fn written(&mut self, batch: &Batch, latency: Duration, replayed: bool, inserted: usize) {
+        self.written_rows(batch.records.len(), inserted, latency, replayed);
         self.collect_unmatched(false);
     }
 
-    fn written_rows(&mut self, rows: usize, latency: Duration, replayed: bool) {
-        if rows > 0 {
+    /// Counts a written batch of `rows` records, `inserted` of them new to the store (the
+    /// rest were already there: duplicates, counted apart).
+    fn written_rows(&mut self, rows: usize, inserted: usize, latency: Duration, replayed: bool) {
+        let inserted = inserted.min(rows);
+        let duplicates = rows - inserted;
+        if inserted > 0 {
             self.link
                 .shared
                 .written
-                .fetch_add(rows as u64, Ordering::SeqCst);
-            self.link.shared.obs.on_written(rows, latency, replayed);
+                .fetch_add(inserted as u64, Ordering::SeqCst);
+            self.link.shared.obs.on_written(inserted, latency, replayed);
+        }
+        if duplicates > 0 {
+            self.link
+                .shared
+                .duplicates
+                .fetch_add(duplicates as u64, Ordering::SeqCst);
+            self.link.shared.obs.on_duplicate(duplicates, replayed);
         }
         if let Some((class, _)) = self.last_error.take() {
             tracing::info!(
@@ -1378,23 +1636,25 @@ impl Sender {
         }
     }
 
-    /// One attempt: records, then updates; a panic counts as a failure.
-    fn attempt_write(&mut self, batch: &Batch) -> Result<Duration, StoreError> {
+    /// One attempt: records, then updates; a panic counts as a failure. Returns the
+    /// duration and how many records were new to the store.
+    fn attempt_write(&mut self, batch: &Batch) -> Result<(Duration, usize), StoreError> {
         let name = self.sink.name();
         let start = Instant::now();
         let sink = &mut self.sink;
         let res = catch_unwind(AssertUnwindSafe(|| {
+            let mut inserted = 0;
             if !batch.records.is_empty() {
-                sink.write_batch(&batch.records)?;
+                inserted = sink.write_batch_counted(&batch.records)?;
             }
             if !batch.updates.is_empty() {
                 sink.apply_updates(&batch.updates)?;
             }
-            Ok(())
+            Ok(inserted)
         }))
         .unwrap_or(Err(StoreError::SinkPanicked(name)));
         self.report_recovered();
-        res.map(|()| start.elapsed())
+        res.map(|n| (start.elapsed(), n))
     }
 
     /// Counts the errors the sink recovered from by itself (metrics; logged by the sink).
@@ -1405,6 +1665,10 @@ impl Sender {
         for err in recovered {
             self.link.shared.obs.on_store_error(err.class(), &err);
         }
+        let reopened = catch_unwind(AssertUnwindSafe(|| sink.take_reopened())).unwrap_or_default();
+        for change in reopened {
+            self.link.shared.obs.on_store_reopened(change);
+        }
     }
 
     /// Without a spool: `1 + retry_attempts` attempts of `op` with exponential backoff; a
@@ -1412,8 +1676,8 @@ impl Sender {
     fn with_retries(
         &mut self,
         items: usize,
-        mut op: impl FnMut(&mut dyn RecordSink) -> Result<(), StoreError>,
-    ) -> Result<Duration, StoreError> {
+        mut op: impl FnMut(&mut dyn RecordSink) -> Result<usize, StoreError>,
+    ) -> Result<(Duration, usize), StoreError> {
         let name = self.sink.name();
         let mut attempt: u32 = 0;
         loop {
@@ -1422,7 +1686,7 @@ impl Sender {
                 .unwrap_or(Err(StoreError::SinkPanicked(name)));
             self.report_recovered();
             match res {
-                Ok(()) => return Ok(start.elapsed()),
+                Ok(n) => return Ok((start.elapsed(), n)),
                 Err(err) => {
                     self.failed(&err);
                     let backoff = BACKOFF_BASE
@@ -1484,6 +1748,7 @@ mod tests {
         dropped_full: AtomicU64,
         dropped_closed: AtomicU64,
         written: AtomicU64,
+        duplicates: AtomicU64,
         errors: AtomicU64,
         unmatched: Mutex<Vec<(UnmatchedReason, u64)>>,
         lost_reasons: Mutex<Vec<(LossReason, usize)>>,
@@ -1500,6 +1765,9 @@ mod tests {
                 DropReason::QueueFull => self.dropped_full.fetch_add(1, Ordering::SeqCst),
                 DropReason::Closed => self.dropped_closed.fetch_add(1, Ordering::SeqCst),
             };
+        }
+        fn on_duplicate(&self, rows: usize, _replayed: bool) {
+            self.duplicates.fetch_add(rows as u64, Ordering::SeqCst);
         }
         fn on_written(&self, rows: usize, _latency: Duration, _replayed: bool) {
             self.written.fetch_add(rows as u64, Ordering::SeqCst);
@@ -2012,6 +2280,138 @@ mod tests {
         assert_eq!(report.lost, lost);
     }
 
+    /// A spool whose directory is gone: every append must create a segment (one frame per
+    /// segment) and fails — what a full or failing disk looks like to the pipeline.
+    fn failing_spool(dir: &std::path::Path) -> Spool {
+        let spool_dir = dir.join("spool");
+        let spool = Spool::open(crate::SpoolConfig {
+            dir: spool_dir.clone(),
+            max_bytes: 1 << 20,
+            segment_bytes: 1,
+            fsync: false,
+        })
+        .expect("open spool");
+        std::fs::remove_dir_all(&spool_dir).expect("remove spool dir");
+        spool
+    }
+
+    #[test]
+    fn failing_spool_holds_batches_in_memory_until_the_store_takes_them() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let sink = MemSink::default();
+        sink.fail_first.store(u64::MAX, Ordering::SeqCst);
+        let obs = Arc::new(CountingObserver::default());
+        let (rec_tx, handle) = spawn_pipeline_with_spool(
+            Box::new(sink.clone()),
+            spool_cfg(),
+            failing_spool(dir.path()),
+            obs.clone(),
+        );
+        for i in 0..30 {
+            rec_tx.record(rec(i));
+        }
+        // Store and spool both fail: nothing is lost, everything is held.
+        wait_until("30 rows held", || handle.spool_state().held_rows == 30);
+        assert_eq!(rec_tx.lost(), 0);
+        assert_eq!(rec_tx.written(), 0);
+        assert_eq!(rec_tx.pending(), 30);
+        assert!(!handle.spool_state().store_up);
+        // Retried with backoff while it fails.
+        let calls = sink.calls.load(Ordering::SeqCst);
+        wait_until("held batches retried", || {
+            sink.calls.load(Ordering::SeqCst) > calls
+        });
+        // The store recovers: the held batches go straight to it, once each.
+        sink.fail_first.store(0, Ordering::SeqCst);
+        wait_until("held batches written", || rec_tx.written() == 30);
+        let mut ids = sink.ids();
+        ids.sort();
+        assert_eq!(ids, (0..30).map(|i| rec(i).request_id).collect::<Vec<_>>());
+        wait_until("store up again", || {
+            let st = handle.spool_state();
+            st.store_up && st.held_rows == 0
+        });
+        // New records flow straight to the store again.
+        rec_tx.record(rec(30));
+        handle.flush();
+        assert_eq!(rec_tx.written(), 31);
+        let report = handle.shutdown(Duration::from_secs(5));
+        assert_eq!((report.written, report.lost, report.spooled), (31, 0, 0));
+        assert!(obs.lost_reasons.lock().expect("reasons").is_empty());
+    }
+
+    #[test]
+    fn held_rows_past_the_bound_and_at_the_shutdown_deadline_are_lost_and_counted() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let sink = MemSink::default();
+        sink.fail_first.store(u64::MAX, Ordering::SeqCst);
+        let obs = Arc::new(CountingObserver::default());
+        // The hold is bounded by the pipeline capacity: 25 rows, batches of 10.
+        let cfg = PipelineConfig {
+            capacity: 25,
+            ..spool_cfg()
+        };
+        let (rec_tx, handle) = spawn_pipeline_with_spool(
+            Box::new(sink.clone()),
+            cfg,
+            failing_spool(dir.path()),
+            obs.clone(),
+        );
+        for round in 0..2 {
+            for i in 0..10 {
+                rec_tx.record(rec(round * 10 + i));
+            }
+            wait_until("batch held", || {
+                handle.spool_state().held_rows == (round as u64 + 1) * 10
+            });
+        }
+        for i in 20..30 {
+            rec_tx.record(rec(i));
+        }
+        wait_until("third batch lost", || rec_tx.lost() == 10);
+        assert_eq!(
+            handle.spool_state().held_rows,
+            20,
+            "the held rows stay held"
+        );
+        let report = handle.shutdown(Duration::from_millis(300));
+        assert_eq!(report.lost, 30, "{report:?}");
+        assert_eq!(report.written, 0);
+        let reasons = obs.lost_reasons.lock().expect("reasons").clone();
+        let sum = |want: LossReason| -> usize {
+            reasons
+                .iter()
+                .filter(|(r, _)| *r == want)
+                .map(|(_, n)| n)
+                .sum()
+        };
+        assert_eq!(sum(LossReason::HoldFull), 10, "{reasons:?}");
+        assert_eq!(sum(LossReason::Shutdown), 20, "{reasons:?}");
+    }
+
+    #[test]
+    fn rows_the_store_already_held_count_as_duplicates_not_written() {
+        let obs = Arc::new(CountingObserver::default());
+        let store = SqliteStore::open_in_memory().expect("store");
+        let (rec_tx, handle) = spawn_pipeline(Box::new(store), cfg(100, 10), obs.clone());
+        for i in 0..5 {
+            rec_tx.record(rec(i));
+        }
+        handle.flush();
+        // The same five again (what a replay after a crash delivers) plus two new ones.
+        for i in 0..7 {
+            rec_tx.record(rec(i));
+        }
+        handle.flush();
+        assert_eq!(rec_tx.written(), 7);
+        assert_eq!(rec_tx.duplicates(), 5);
+        assert_eq!(obs.written.load(Ordering::SeqCst), 7);
+        assert_eq!(obs.duplicates.load(Ordering::SeqCst), 5);
+        assert_eq!(rec_tx.pending(), 0);
+        let report = handle.shutdown(Duration::from_secs(5));
+        assert_eq!((report.written, report.duplicates), (7, 5));
+    }
+
     #[test]
     fn rejected_batch_is_dropped_after_retries_and_the_rest_flows() {
         /// Rejects any batch holding record `r000003`, accepts the others.
@@ -2354,7 +2754,8 @@ mod tests {
         for i in 0..1_000 {
             rec_tx.record(rec(i));
         }
-        // Duplicates (a client retrying with the same x-request-id) do not double rows.
+        // Records the store already holds (a replayed batch) do not double rows, and count
+        // as duplicates, not as written.
         for i in 0..10 {
             rec_tx.record(rec(i));
         }
@@ -2362,7 +2763,7 @@ mod tests {
         let reader = SqliteStore::open_read_only(&path).expect("reader");
         assert_eq!(reader.count().expect("count"), 1_000);
         let report = handle.shutdown(Duration::from_secs(10));
-        assert_eq!(report.written, 1_010);
+        assert_eq!((report.written, report.duplicates), (1_000, 10));
         assert_eq!(reader.count().expect("count"), 1_000);
     }
 }

@@ -19,6 +19,9 @@
 //!   A new segment is started when the current one is non-empty and the next frame would
 //!   take it past [`SpoolConfig::segment_bytes`] (so a frame larger than that sits alone in
 //!   its segment).
+//! * `probe.tmp` — written, synced and removed by [`Spool::open`] to prove the directory
+//!   takes new files; a spool that cannot (read-only mount, immutable directory,
+//!   permissions) fails to open instead of failing at its first append.
 //! * `ack` — the sequence number of the last acknowledged entry, 16 bytes:
 //!   `b"TSA\x01"`, `seq: u64 LE`, `crc32(first 12 bytes): u32 LE`. It is replaced atomically
 //!   (write `ack.tmp`, `sync_data`, rename over `ack`, sync the directory). No `ack` file means
@@ -189,6 +192,29 @@ pub enum SpoolError {
         /// The oldest unacknowledged entry's sequence number, if any.
         oldest: Option<u64>,
     },
+}
+
+/// Name of the file [`Spool::open`] writes, syncs and removes to prove the directory takes
+/// new files (segments are only created at the first append, long after start-up).
+const PROBE_FILE: &str = "probe.tmp";
+
+/// Creates, writes, syncs and removes [`PROBE_FILE`] in `dir`: a spool that cannot take new
+/// files (read-only mount, immutable directory, permissions) fails here, at start-up, instead
+/// of at its first append.
+fn probe_write(dir: &Path) -> Result<(), SpoolError> {
+    let path = dir.join(PROBE_FILE);
+    let res = (|| -> io::Result<()> {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)?;
+        f.write_all(b"tokenscope spool write probe")?;
+        f.sync_data()?;
+        drop(f);
+        fs::remove_file(&path)
+    })();
+    res.map_err(io_err("write probe file", &path))
 }
 
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> SpoolError + 'a {
@@ -606,6 +632,7 @@ impl Spool {
                 })
             }
         }
+        probe_write(&dir)?;
         let tmp = dir.join(ACK_TMP_FILE);
         match fs::remove_file(&tmp) {
             Ok(()) => {}

@@ -16,8 +16,21 @@
 //! * The database runs in WAL mode with `synchronous=NORMAL` and a busy timeout, so one
 //!   writer (the gateway's pipeline thread) and any number of readers (reports, opened with
 //!   [`SqliteStore::open_read_only`]) coexist without blocking each other.
-//! * Rows are keyed by `request_id` and inserted with `INSERT OR IGNORE`: re-inserting a
-//!   batch (a retry after an ambiguous failure) never doubles a row.
+//! * Rows are keyed by `request_id` (the gateway's own UUIDv7, never the client's
+//!   `x-request-id`, which is the `client_request_id` column) and inserted with
+//!   `INSERT OR IGNORE`: re-inserting a batch (a retry after an ambiguous failure, a spool
+//!   replay) never doubles a row, and [`SqliteStore::insert_batch`] returns how many rows
+//!   were really added.
+//! * [`SqliteStore::open`] proves the file writable with a real write (a committed header
+//!   update) and refuses it otherwise ([`StoreError::NotWritable`], naming the path and the
+//!   cause): a store SQLite could only open read-only is never accepted.
+//! * The writer compares `stat(path)` (device, inode) with the file it opened before every
+//!   write (one system call): when the file was unlinked or replaced, it closes the old
+//!   connection, removes the stale `-wal` / `-shm` beside the path (SQLite would replay the
+//!   old file's pages into the new one), opens the path again (created and migrated) and
+//!   reports the reopen ([`SqliteStore::take_reopened`]). A batch committed while the file
+//!   was being replaced (detected by the same check right after the commit) is written again
+//!   into the new file. Rows written to the old file before the unlink stay in it.
 //! * [`SqliteStore::insert_batch`] writes a whole batch in one transaction (cached
 //!   multi-row prepared statements, 32 rows each, then the remainder row by row): a batch
 //!   is all-or-nothing.
@@ -56,6 +69,9 @@
 //! * v5 — column `cost_usd REAL` (USD at the configured prices; `NULL` = unpriced, and for
 //!   rows written before v5). Readers need v5 (the reads name it): a read-only open of an
 //!   older file is refused until a writer migrated it.
+//! * v6 — column `client_request_id TEXT` (the client's `x-request-id`, `NULL` when it sent
+//!   none, and for rows written before v6) and the partial index
+//!   `idx_log_client_request_id` on it (rows with a client id only). Readers need v6.
 //!
 //! Indexes: the primary key (`request_id`: idempotent inserts, [`SqliteStore::get`]) and
 //! `idx_log_created_at`, led by `created_at` and carrying every column a
@@ -87,7 +103,8 @@ use std::time::{Duration, Instant};
 
 use rusqlite::types::Type;
 use rusqlite::{
-    params, Connection, OpenFlags, OptionalExtension, Row, Statement, ToSql, TransactionBehavior,
+    params, Connection, ErrorCode, OpenFlags, OptionalExtension, Row, Statement, ToSql,
+    TransactionBehavior,
 };
 use tokenscope_core::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
@@ -111,7 +128,7 @@ pub const SQL_USER_TOKENS_PER_DAY: &str = include_str!("sql/user_tokens_per_day.
 pub const SQL_MEAN_TTFT_BY_BUCKET: &str = include_str!("sql/mean_ttft_by_bucket.sql");
 
 /// Every column of [`TABLE`], in the order [`record_from_row`] expects them.
-pub const COLUMNS: [&str; 51] = [
+pub const COLUMNS: [&str; 52] = [
     "request_id",
     "trace_id",
     "created_at",
@@ -163,6 +180,7 @@ pub const COLUMNS: [&str; 51] = [
     "gpu_utilization",
     "gpu_memory_bandwidth",
     "cost_usd",
+    "client_request_id",
 ];
 
 /// Ordered schema migrations: entry `i` takes the schema from version `i` to `i + 1`.
@@ -267,15 +285,21 @@ const MIGRATIONS: &[&str] = &[
     // v5: the request's cost in USD at the configured prices (`NULL` = unpriced model, and
     // for every row written before v5).
     "ALTER TABLE llm_inference_log ADD COLUMN cost_usd REAL;",
+    // v6: the client's own `x-request-id` (data, never the key: `request_id` is always the
+    // gateway's UUIDv7), searchable through a partial index that only holds the rows that
+    // carry one (a request without it costs the index nothing).
+    "ALTER TABLE llm_inference_log ADD COLUMN client_request_id TEXT;
+    CREATE INDEX IF NOT EXISTS idx_log_client_request_id ON llm_inference_log (client_request_id)
+        WHERE client_request_id IS NOT NULL;",
 ];
 
 /// The schema version this build writes and understands.
 pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
-/// The oldest schema a read-only open accepts: v5 added `cost_usd`, the last column the
-/// reads name (v3 and v4 only changed indexes). An older file is migrated by the next
+/// The oldest schema a read-only open accepts: v6 added `client_request_id`, the last column
+/// the reads name (v3 and v4 only changed indexes). An older file is migrated by the next
 /// writer (`tokenscope serve`, or [`SqliteStore::open`]).
-pub const MIN_READ_VERSION: u32 = 5;
+pub const MIN_READ_VERSION: u32 = 6;
 
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -290,6 +314,14 @@ pub const WRITER_CACHE_KIB: i64 = 2 * 1024;
 pub struct SqliteStore {
     conn: Connection,
     path: PathBuf,
+    /// Device and inode of the file the writer opened (`None`: in memory or read-only). The
+    /// writer compares it with `stat(path)` before each write (see [`Self::file_change`]).
+    file_id: Option<FileId>,
+    /// The previous connection was closed (its file was unlinked or replaced) and opening
+    /// the file at `path` again failed: retried before the next write.
+    must_reopen: Option<FileChange>,
+    /// Reopens since the last [`Self::take_reopened`], with their reason.
+    reopened: Vec<FileChange>,
     /// Engine updates whose row has not been inserted yet (writer side only).
     pending: PendingUpdates,
     /// Where the recent rows of each trace are (writer side only).
@@ -307,8 +339,127 @@ impl SqliteStore {
                 std::fs::create_dir_all(parent)?;
             }
         }
-        let conn = Connection::open(path)?;
-        Self::configure_writer(conn, path.to_path_buf())
+        let not_writable = |e: StoreError| match e {
+            StoreError::Sqlite(rusqlite::Error::SqliteFailure(f, _))
+                if matches!(
+                    f.code,
+                    ErrorCode::CannotOpen
+                        | ErrorCode::ReadOnly
+                        | ErrorCode::PermissionDenied
+                        | ErrorCode::SystemIoFailure
+                        | ErrorCode::DiskFull
+                ) =>
+            {
+                StoreError::NotWritable {
+                    path: path.to_path_buf(),
+                    cause: format!(
+                        "{e} (SQLite must write the file and create its -wal and -shm files \
+                         beside it)"
+                    ),
+                }
+            }
+            other => other,
+        };
+        let conn = Connection::open(path).map_err(|e| not_writable(e.into()))?;
+        let mut store = Self::configure_writer(conn, path.to_path_buf()).map_err(not_writable)?;
+        store.probe_write()?;
+        store.file_id = file_id(path).ok();
+        Ok(store)
+    }
+
+    /// A real write (a transaction that rewrites the header's `user_version`, committed to
+    /// the WAL): refuses a file SQLite could only open read-only, a directory where the WAL
+    /// cannot be created, a file system that refuses writes. [`StoreError::NotWritable`]
+    /// names the path and the cause.
+    fn probe_write(&mut self) -> Result<(), StoreError> {
+        let not_writable = |cause: String| StoreError::NotWritable {
+            path: self.path.clone(),
+            cause,
+        };
+        if self.conn.is_readonly(rusqlite::MAIN_DB)? {
+            return Err(not_writable(
+                "SQLite could only open it read-only (file or directory permissions, \
+                 immutable attribute or read-only mount)"
+                    .to_owned(),
+            ));
+        }
+        let version = user_version(&self.conn)?;
+        let probe = (|| -> rusqlite::Result<()> {
+            let tx = self
+                .conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)?;
+            tx.pragma_update(None, "user_version", i64::from(version))?;
+            tx.commit()
+        })();
+        probe.map_err(|e| not_writable(e.to_string()))
+    }
+
+    /// Whether the file at [`Self::path`] is still the one this writer has open: `None` when
+    /// it is (or when that cannot be told: in memory, read-only, `stat` refused), else how it
+    /// changed. One `stat` call.
+    pub fn file_change(&self) -> Option<FileChange> {
+        let want = self.file_id?;
+        match file_id(&self.path) {
+            Ok(now) if now == want => None,
+            Ok(_) => Some(FileChange::Replaced),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(FileChange::Unlinked),
+            Err(_) => None,
+        }
+    }
+
+    /// Reopens since the last call (the file was unlinked or replaced under the writer and
+    /// the writer recreated / reopened it), oldest first.
+    pub fn take_reopened(&mut self) -> Vec<FileChange> {
+        std::mem::take(&mut self.reopened)
+    }
+
+    /// Before a write: when the file was unlinked or replaced (or a reopen is pending),
+    /// closes the old connection and opens the file at the path again (creating and
+    /// migrating it). `Ok(true)` when it reopened.
+    fn ensure_file(&mut self) -> Result<bool, StoreError> {
+        let change = match (self.must_reopen, self.file_change()) {
+            (Some(c), _) | (None, Some(c)) => c,
+            (None, None) => return Ok(false),
+        };
+        if self.must_reopen.is_none() {
+            tracing::warn!(
+                path = %self.path.display(),
+                change = change.as_str(),
+                "the tokenscope store file was {} under the running writer; closing it and \
+                 opening {} again (created if missing)",
+                change.as_str(),
+                self.path.display()
+            );
+            // Close the old connection first: its WAL and shared-memory files sit at the
+            // path's `-wal` / `-shm` names and must not be read as the new file's.
+            let old = std::mem::replace(&mut self.conn, Connection::open_in_memory()?);
+            self.must_reopen = Some(change);
+            self.file_id = None;
+            if let Err((_, e)) = old.close() {
+                tracing::warn!(error = %e, "closing the old store connection failed");
+            }
+            // SQLite does not checkpoint nor delete the WAL of a file that moved: the `-wal`
+            // / `-shm` files still at the path hold the OLD file's pages, and opening the new
+            // file would replay them into it. They belong to a file that is gone: remove them.
+            for suffix in ["-wal", "-shm"] {
+                let mut side = self.path.clone().into_os_string();
+                side.push(suffix);
+                match std::fs::remove_file(&side) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        tracing::warn!(file = ?side, error = %e, "could not remove the old store's WAL file")
+                    }
+                }
+            }
+        }
+        let fresh = Self::open(&self.path)?;
+        self.conn = fresh.conn;
+        self.file_id = fresh.file_id;
+        self.traces = fresh.traces;
+        self.must_reopen = None;
+        self.reopened.push(change);
+        Ok(true)
     }
 
     /// An in-memory database with the full schema (tests, dry runs).
@@ -336,6 +487,9 @@ impl SqliteStore {
         let mut store = Self {
             conn,
             path,
+            file_id: None,
+            must_reopen: None,
+            reopened: Vec::new(),
             pending: PendingUpdates::default(),
             traces: TraceRows::default(),
         };
@@ -378,6 +532,9 @@ impl SqliteStore {
         Ok(Self {
             conn,
             path: path.to_path_buf(),
+            file_id: None,
+            must_reopen: None,
+            reopened: Vec::new(),
             pending: PendingUpdates::default(),
             traces: TraceRows::new(1),
         })
@@ -401,10 +558,25 @@ impl SqliteStore {
     /// Inserts `records` in one transaction with cached multi-row prepared statements
     /// (`INSERT OR IGNORE`, keyed by `request_id`; duplicates inside the batch count once). Returns how many rows were new; rows whose
     /// `request_id` already exists are skipped. All-or-nothing.
+    ///
+    /// Before writing, the file at the path is checked (one `stat`): when it was unlinked or
+    /// replaced, the old connection is closed and the path opened again (created, migrated);
+    /// when that happens between this batch's commit and the check after it, the batch is
+    /// written again into the new file.
     pub fn insert_batch(&mut self, records: &[RequestRecord]) -> Result<usize, StoreError> {
         if records.is_empty() {
             return Ok(0);
         }
+        self.ensure_file()?;
+        let inserted = self.insert_batch_here(records)?;
+        if self.file_change().is_some() && self.ensure_file()? {
+            // Committed into a file that was unlinked/replaced meanwhile: write it again.
+            return self.insert_batch_here(records);
+        }
+        Ok(inserted)
+    }
+
+    fn insert_batch_here(&mut self, records: &[RequestRecord]) -> Result<usize, StoreError> {
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -469,6 +641,7 @@ impl SqliteStore {
     /// [`crate::pending`]); returns how many updates matched a row now. Updates with an
     /// empty trace id are ignored.
     pub fn apply_updates(&mut self, updates: &[PhaseUpdate]) -> Result<usize, StoreError> {
+        self.ensure_file()?;
         let now = Instant::now();
         self.pending.expire(now);
         if updates.is_empty() {
@@ -568,6 +741,21 @@ impl SqliteStore {
         Ok(self.insert_batch(std::slice::from_ref(record))? == 1)
     }
 
+    /// The records whose client sent `x-request-id: client_request_id`, oldest first (an
+    /// index seek on `idx_log_client_request_id`; the id is not unique).
+    pub fn by_client_request_id(
+        &self,
+        client_request_id: &str,
+    ) -> Result<Vec<RequestRecord>, StoreError> {
+        let sql = format!(
+            "SELECT {} FROM {TABLE} WHERE client_request_id = ?1 ORDER BY created_at, request_id",
+            COLUMNS.join(", ")
+        );
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let rows = stmt.query_map([client_request_id], record_from_row)?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    }
+
     /// The record stored under `request_id`, if any.
     pub fn get(&self, request_id: &str) -> Result<Option<RequestRecord>, StoreError> {
         let sql = format!(
@@ -626,8 +814,51 @@ impl SqliteStore {
     }
 }
 
+/// How the file at a writer's path differs from the one it has open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FileChange {
+    /// Nothing is at the path any more (the file was deleted).
+    Unlinked,
+    /// Another file is at the path (moved or copied over it).
+    Replaced,
+}
+
+impl FileChange {
+    /// Stable lower-case name (metric label, logs).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FileChange::Unlinked => "unlinked",
+            FileChange::Replaced => "replaced",
+        }
+    }
+}
+
+/// Device and inode of a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileId {
+    dev: u64,
+    ino: u64,
+}
+
+#[cfg(unix)]
+fn file_id(path: &Path) -> std::io::Result<FileId> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path)?;
+    Ok(FileId {
+        dev: m.dev(),
+        ino: m.ino(),
+    })
+}
+
+#[cfg(not(unix))]
+fn file_id(_path: &Path) -> std::io::Result<FileId> {
+    Err(std::io::Error::other(
+        "file identity is only checked on Unix",
+    ))
+}
+
 /// Rows per multi-row `INSERT` statement in [`SqliteStore::insert_batch`]
-/// (`ROWS_PER_INSERT × 50` parameters; SQLite allows 32 766).
+/// (`ROWS_PER_INSERT × 52` parameters; SQLite allows 32 766).
 const ROWS_PER_INSERT: usize = 32;
 
 /// `INSERT OR IGNORE INTO llm_inference_log (<COLUMNS>) VALUES (?,…), …` for `rows` rows,
@@ -642,7 +873,7 @@ fn insert_sql(rows: usize) -> String {
     )
 }
 
-/// Binds `r` to parameters `base + 1 ..= base + 51` of `stmt`, in [`COLUMNS`] order.
+/// Binds `r` to parameters `base + 1 ..= base + 52` of `stmt`, in [`COLUMNS`] order.
 fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusqlite::Result<()> {
     let mut i = base;
     let mut bind = |stmt: &mut Statement<'_>, v: &dyn ToSql| {
@@ -700,6 +931,7 @@ fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusq
     bind(stmt, &r.gpu_utilization)?;
     bind(stmt, &r.gpu_memory_bandwidth)?;
     bind(stmt, &r.cost_usd)?;
+    bind(stmt, &r.client_request_id)?;
     debug_assert_eq!(i - base, COLUMNS.len());
     Ok(())
 }
@@ -889,6 +1121,7 @@ pub fn record_from_row(row: &Row<'_>) -> rusqlite::Result<RequestRecord> {
         gpu_utilization: row.get(48)?,
         gpu_memory_bandwidth: row.get(49)?,
         cost_usd: row.get(50)?,
+        client_request_id: row.get(51)?,
     })
 }
 
@@ -950,6 +1183,7 @@ pub(crate) mod tests {
             gpu_utilization: Some(0.9375),
             gpu_memory_bandwidth: Some(0.625),
             cost_usd: Some(0.001_234_5),
+            client_request_id: Some(format!("client-{id}")),
         }
     }
 
@@ -1023,6 +1257,106 @@ pub(crate) mod tests {
             (bucket.as_str(), outcome.as_str()),
             ("512-2048", "upstream_error")
         );
+    }
+
+    #[test]
+    fn unlinked_file_is_recreated_before_the_next_write() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("s.db");
+        let mut store = SqliteStore::open(&path).expect("open");
+        assert_eq!(store.file_change(), None);
+        store
+            .insert_batch(&[sparse_record("before-1"), sparse_record("before-2")])
+            .expect("insert");
+        std::fs::remove_file(&path).expect("rm");
+        assert_eq!(store.file_change(), Some(FileChange::Unlinked));
+        let after: Vec<_> = (0..3)
+            .map(|i| sparse_record(&format!("after-{i}")))
+            .collect();
+        assert_eq!(store.insert_batch(&after).expect("insert after rm"), 3);
+        assert_eq!(store.take_reopened(), [FileChange::Unlinked]);
+        assert_eq!(store.take_reopened(), []);
+        assert_eq!(store.file_change(), None);
+        // The recreated file has the schema and exactly the rows written after the unlink.
+        let read = SqliteStore::open_read_only(&path).expect("read");
+        assert_eq!(read.schema_version().expect("v"), SCHEMA_VERSION);
+        let mut ids: Vec<String> = read
+            .recent(10)
+            .expect("recent")
+            .into_iter()
+            .map(|r| r.request_id)
+            .collect();
+        ids.sort();
+        assert_eq!(ids, ["after-0", "after-1", "after-2"]);
+    }
+
+    #[test]
+    fn replaced_file_is_reopened_before_the_next_write() {
+        let dir = tempfile::tempdir().expect("tmp");
+        let path = dir.path().join("s.db");
+        let mut store = SqliteStore::open(&path).expect("open");
+        store.insert(&sparse_record("old")).expect("insert");
+        // Another database moved over the path (a restore from a backup).
+        let other = dir.path().join("other.db");
+        {
+            let mut o = SqliteStore::open(&other).expect("other");
+            o.insert(&sparse_record("restored")).expect("insert");
+        }
+        std::fs::rename(&other, &path).expect("mv");
+        assert_eq!(store.file_change(), Some(FileChange::Replaced));
+        assert!(store.insert(&sparse_record("new")).expect("insert"));
+        assert_eq!(store.take_reopened(), [FileChange::Replaced]);
+        let read = SqliteStore::open_read_only(&path).expect("read");
+        let ids: Vec<String> = read
+            .recent(10)
+            .expect("recent")
+            .into_iter()
+            .map(|r| r.request_id)
+            .collect();
+        assert_eq!(read.count().expect("count"), 2, "{ids:?}");
+        assert!(read.get("restored").expect("get").is_some(), "{ids:?}");
+        assert!(read.get("new").expect("get").is_some());
+        assert!(read.get("old").expect("get").is_none());
+    }
+
+    #[test]
+    fn an_in_memory_store_has_no_file_to_check() {
+        let mut store = SqliteStore::open_in_memory().expect("mem");
+        assert_eq!(store.file_change(), None);
+        store.insert(&sparse_record("a")).expect("insert");
+        assert_eq!(store.take_reopened(), []);
+    }
+
+    #[test]
+    fn client_request_id_is_data_and_searchable() {
+        let mut store = SqliteStore::open_in_memory().expect("mem");
+        let recs: Vec<RequestRecord> = (0..3)
+            .map(|i| RequestRecord {
+                client_request_id: Some("same-client-id".to_owned()),
+                created_at: 1_700_000_000_000_000 + i,
+                ..sparse_record(&format!("key-{i}"))
+            })
+            .collect();
+        assert_eq!(store.insert_batch(&recs).expect("insert"), 3);
+        let found = store
+            .by_client_request_id("same-client-id")
+            .expect("search");
+        assert_eq!(
+            found
+                .iter()
+                .map(|r| r.request_id.as_str())
+                .collect::<Vec<_>>(),
+            ["key-0", "key-1", "key-2"]
+        );
+        assert!(store
+            .by_client_request_id("other")
+            .expect("search")
+            .is_empty());
+        let plan = query_plan(
+            store.conn(),
+            "SELECT request_id FROM llm_inference_log WHERE client_request_id = 'x'",
+        );
+        assert!(plan.contains("idx_log_client_request_id"), "{plan}");
     }
 
     #[test]
@@ -1152,7 +1486,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn v1_database_migrates_to_v5_on_open() {
+    fn v1_database_migrates_to_the_current_schema_on_open() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("v1.db");
         v1_database(&path);
@@ -1167,7 +1501,7 @@ pub(crate) mod tests {
         ));
         // …and a writer migrates it (v1 → … → v5 in one transaction).
         let mut store = SqliteStore::open(&path).expect("migrate");
-        assert_eq!(store.schema_version().expect("v"), 5);
+        assert_eq!(store.schema_version().expect("v"), SCHEMA_VERSION);
         let old = store.get("old").expect("get").expect("row kept");
         assert_eq!(old.ttft_ms, Some(8.0));
         assert_eq!(old.queue_source, PhaseSource::Derived);
@@ -1215,7 +1549,7 @@ pub(crate) mod tests {
         drop(store);
         // Reopening is a no-op; readers are accepted now.
         let store = SqliteStore::open(&path).expect("reopen");
-        assert_eq!(store.schema_version().expect("v"), 5);
+        assert_eq!(store.schema_version().expect("v"), SCHEMA_VERSION);
         assert_eq!(store.count().expect("count"), 2);
         let reader = SqliteStore::open_read_only(&path).expect("ro after migration");
         assert_eq!(reader.count().expect("count"), 2);
@@ -1236,14 +1570,19 @@ pub(crate) mod tests {
             .expect("query")
             .collect::<Result<_, _>>()
             .expect("names");
+        // v6 added the partial index on the client's request id.
         assert_eq!(
             names,
-            ["idx_log_created_at", "sqlite_autoindex_llm_inference_log_1"]
+            [
+                "idx_log_client_request_id",
+                "idx_log_created_at",
+                "sqlite_autoindex_llm_inference_log_1"
+            ]
         );
     }
 
     #[test]
-    fn v2_database_migrates_to_v5_and_keeps_late_updates() {
+    fn v2_database_migrates_to_the_current_schema_and_keeps_late_updates() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("v2.db");
         {
@@ -1274,7 +1613,7 @@ pub(crate) mod tests {
             })
         ));
         let mut store = SqliteStore::open(&path).expect("migrate");
-        assert_eq!(store.schema_version().expect("v"), 5);
+        assert_eq!(store.schema_version().expect("v"), SCHEMA_VERSION);
         assert_v4_indexes(store.conn());
         // A row written before the migration is found by its trace id (the trace map is
         // loaded from the newest rows when the store opens)…

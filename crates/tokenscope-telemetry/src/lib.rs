@@ -128,7 +128,8 @@ pub struct CostLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     /// Why the record was dropped (`queue_full`, `closed`) or lost (`spool_full`,
-    /// `spool_error`, `write_failed`, `rejected`).
+    /// `spool_error`, `write_failed`, `rejected`, `hold_full`, `shutdown`; store reopened:
+    /// `unlinked`, `replaced`).
     pub reason: &'static str,
 }
 
@@ -163,7 +164,17 @@ pub const SPAN_DROP_REASONS: [&str; 4] = ["queue_full", "export_failed", "reject
 /// Drop reasons (before the queue), pre-created at 0.
 pub const DROP_REASONS: [&str; 2] = ["queue_full", "closed"];
 /// Loss reasons (accepted records never stored), pre-created at 0.
-pub const LOSS_REASONS: [&str; 4] = ["spool_full", "spool_error", "write_failed", "rejected"];
+pub const LOSS_REASONS: [&str; 6] = [
+    "spool_full",
+    "spool_error",
+    "write_failed",
+    "rejected",
+    "hold_full",
+    "shutdown",
+];
+
+/// Why the store's writer reopened its file (`tokenscope_store_reopened_total{reason}`).
+pub const REOPEN_REASONS: [&str; 2] = ["unlinked", "replaced"];
 /// Store error kinds, pre-created at 0.
 pub const STORE_ERROR_KINDS: [&str; 5] = ["unavailable", "auth", "schema", "rejected", "other"];
 
@@ -317,6 +328,9 @@ pub struct Metrics {
     records_lost: Family<ReasonLabels, Counter>,
     records_spooled: Counter,
     records_replayed: Counter,
+    records_duplicate: Counter,
+    records_held: Gauge<i64, std::sync::atomic::AtomicI64>,
+    store_reopened: Family<ReasonLabels, Counter>,
     store_errors: Family<KindLabels, Counter>,
     store_retries: Counter,
     spool_bytes: Gauge<i64, std::sync::atomic::AtomicI64>,
@@ -389,6 +403,27 @@ impl Metrics {
         let records_lost = Family::<ReasonLabels, Counter>::default();
         let records_spooled = Counter::default();
         let records_replayed = Counter::default();
+        let records_duplicate = Counter::default();
+        let records_held = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
+        let store_reopened = Family::<ReasonLabels, Counter>::default();
+        registry.register(
+            "tokenscope_records_duplicate",
+            "Records delivered to the store that it already held under their request_id (a spool replay of a batch it had taken); not inserted again and not counted as written",
+            records_duplicate.clone(),
+        );
+        registry.register(
+            "tokenscope_records_held",
+            "Rows held in memory because neither the store nor the spool took their batch (full or failing disk); retried with backoff, bounded by pipeline.capacity",
+            records_held.clone(),
+        );
+        registry.register(
+            "tokenscope_store_reopened",
+            "Times the SQLite writer found its file unlinked or replaced under it and reopened (recreated) it, by reason",
+            store_reopened.clone(),
+        );
+        for reason in REOPEN_REASONS {
+            let _ = store_reopened.get_or_create(&ReasonLabels { reason });
+        }
         let store_errors = Family::<KindLabels, Counter>::default();
         let store_retries = Counter::default();
         let spool_bytes = Gauge::<i64, std::sync::atomic::AtomicI64>::default();
@@ -429,7 +464,7 @@ impl Metrics {
         );
         registry.register(
             "tokenscope_records_lost",
-            "Accepted records that were never stored, by reason; stays 0 unless the spool cap is hit (spool_full), the disk fails, there is no spool, or the store rejects the data",
+            "Accepted records that were never stored, by reason; stays 0 unless the spool cap is hit (spool_full), the disk fails and the in-memory hold is full (hold_full) or still holds them at the shutdown deadline (shutdown), there is no spool, or the store rejects the data",
             records_lost.clone(),
         );
         registry.register(
@@ -566,6 +601,9 @@ impl Metrics {
             records_lost,
             records_spooled,
             records_replayed,
+            records_duplicate,
+            records_held,
+            store_reopened,
             store_errors,
             store_retries,
             spool_bytes,
@@ -845,6 +883,28 @@ impl Metrics {
             self.records_queued.dec_by(rows as i64);
         }
         self.store_write.observe(latency.as_secs_f64());
+    }
+
+    /// `rows` delivered records were already in the store (not inserted again); `replayed`
+    /// as for [`Metrics::records_written`].
+    pub fn records_duplicate(&self, rows: u64, replayed: bool) {
+        self.records_duplicate.inc_by(rows);
+        if !replayed {
+            self.records_queued.dec_by(rows as i64);
+        }
+    }
+
+    /// Rows currently held in memory because neither the store nor the spool took them.
+    pub fn records_held(&self, rows: u64) {
+        self.records_held
+            .set(i64::try_from(rows).unwrap_or(i64::MAX));
+    }
+
+    /// The store's writer reopened its file, for `reason` (one of [`REOPEN_REASONS`]).
+    pub fn store_reopened(&self, reason: &'static str) {
+        self.store_reopened
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
     }
 
     /// `rows` records left memory for the spool.

@@ -11,7 +11,7 @@
 //! Every request is a streamed (or, without `--stream`, plain) chat completion with a prompt of
 //! real words ([`plan::prompt_text`]) whose length comes from the mix, `stream_options.
 //! include_usage`, an `x-request-id` of `PREFIX-L<level>-<n>` (so the gateway's records can be
-//! matched), and `max_tokens` / `mock_output_tokens` when asked. Timings use [`Instant`] only.
+//! matched by their `client_request_id`), and `max_tokens` / `mock_output_tokens` when asked. Timings use [`Instant`] only.
 //! Definitions and the knee: [`stats`]; usage: `docs/bench.md`.
 
 pub mod plan;

@@ -128,7 +128,9 @@ impl GatewayProc {
         body
     }
 
-    /// The record of `request_id` from the admin API (polls until it is final).
+    /// The record of `request_id` from the admin API (polls until it is final): the record
+    /// keyed by it, else the newest whose client sent it as `x-request-id` (the response's
+    /// `x-request-id` is the client's own id when it sent one; the key is always ours).
     pub async fn record(&self, request_id: &str) -> serde_json::Value {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -136,6 +138,18 @@ impl GatewayProc {
                 get(&format!("http://{}/api/requests/{request_id}", self.admin)).await;
             if status == 200 {
                 return serde_json::from_str(&body).expect("record json");
+            }
+            let (status, body) = get(&format!(
+                "http://{}/api/requests?limit=1&client_request_id={request_id}",
+                self.admin
+            ))
+            .await;
+            if status == 200 {
+                let mut found: Vec<serde_json::Value> =
+                    serde_json::from_str(&body).expect("records json");
+                if let Some(r) = found.pop() {
+                    return r;
+                }
             }
             assert!(Instant::now() < deadline, "no record for {request_id}");
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -151,12 +165,12 @@ impl GatewayProc {
         serde_json::from_str(&body).expect("records json")
     }
 
-    /// How many in-memory records carry `request_id`.
+    /// How many in-memory records carry `request_id`, as their key or as the client's id.
     pub async fn record_count(&self, request_id: &str) -> usize {
         self.records()
             .await
             .iter()
-            .filter(|r| r["request_id"] == request_id)
+            .filter(|r| r["request_id"] == request_id || r["client_request_id"] == request_id)
             .count()
     }
 
@@ -368,7 +382,7 @@ pub fn metric_sum(text: &str, name: &str) -> f64 {
 pub fn store_rows(path: &std::path::Path) -> Vec<serde_json::Value> {
     let conn = rusqlite::Connection::open(path).expect("open store");
     let mut stmt = conn
-        .prepare("SELECT request_id, outcome, input_tokens, output_tokens, ttft_ms, tpot_ms FROM llm_inference_log")
+        .prepare("SELECT request_id, outcome, input_tokens, output_tokens, ttft_ms, tpot_ms, client_request_id FROM llm_inference_log")
         .expect("prepare");
     let rows = stmt
         .query_map([], |r| {
@@ -379,6 +393,7 @@ pub fn store_rows(path: &std::path::Path) -> Vec<serde_json::Value> {
                 "output_tokens": r.get::<_, Option<i64>>(3)?,
                 "ttft_ms": r.get::<_, Option<f64>>(4)?,
                 "tpot_ms": r.get::<_, Option<f64>>(5)?,
+                "client_request_id": r.get::<_, Option<String>>(6)?,
             }))
         })
         .expect("query")

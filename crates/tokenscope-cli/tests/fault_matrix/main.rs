@@ -16,3 +16,4 @@ mod leaks;
 #[path = "../llama/mod.rs"]
 mod llama; // (its own `#![allow(dead_code)]`; a second one here fails clippy)
 mod shutdown;
+mod store;

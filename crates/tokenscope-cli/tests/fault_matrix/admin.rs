@@ -110,7 +110,13 @@ async fn token_guards_writes_and_ingest() {
         .to_str()
         .expect("trace id")
         .to_owned();
-    let before = record_with(&gw, "adm-1", ADMIN).await;
+    // The row's key is the gateway's own id (the client's `adm-1` is kept as data).
+    let key = headers["x-tokenscope-request-id"]
+        .to_str()
+        .expect("key")
+        .to_owned();
+    let before = record_with(&gw, &key, ADMIN).await;
+    assert_eq!(before["client_request_id"], "adm-1");
     let queue_before = before["queue_duration_ms"].clone();
     assert_ne!(queue_before, json!(12500.0));
 
@@ -137,7 +143,7 @@ async fn token_guards_writes_and_ingest() {
         assert_eq!(status, 401, "/api/requests {headers:?}");
     }
     assert!(!sidecar.exists(), "no business metric was written");
-    let after = record_with(&gw, "adm-1", ADMIN).await;
+    let after = record_with(&gw, &key, ADMIN).await;
     assert_eq!(
         after["queue_duration_ms"], queue_before,
         "a forged span without a token must not change the record"
@@ -148,7 +154,7 @@ async fn token_guards_writes_and_ingest() {
     let rows = common::store_table(&gw.store);
     let row = rows
         .iter()
-        .find(|r| r["request_id"] == "adm-1")
+        .find(|r| r["request_id"] == key.as_str())
         .expect("row adm-1 stored");
     assert_eq!(row["queue_duration_ms"], queue_before, "{row:?}");
     assert_eq!(row["queue_source"], before["queue_source"], "{row:?}");
@@ -179,7 +185,7 @@ async fn token_guards_writes_and_ingest() {
     )
     .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
-    let joined = record_with(&gw, "adm-1", ADMIN).await;
+    let joined = record_with(&gw, &key, ADMIN).await;
     assert_eq!(joined["queue_duration_ms"], 12500.0);
     assert_eq!(joined["queue_source"], "engine");
 

@@ -299,3 +299,91 @@ async fn oversized_attribution_is_cut_and_marked_and_huge_heads_get_431() {
     let (_, body) = get(&format!("http://{}/api/requests", gw.admin)).await;
     assert_eq!(body.matches("\"request_id\"").count(), 1, "{body}");
 }
+
+/// A ~15 MB OTLP export posted to the admin listener while a client streams through the proxy:
+/// the admin work runs on the background runtime, so the stream's inter-token gaps during the
+/// post stay far below the post's own duration (on one shared runtime they grew to it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_otlp_export_does_not_stall_proxying() {
+    use http_body_util::BodyExt;
+    let mock = MockProc::start(&["--time-scale", "1"]);
+    let gw = GatewayProc::start(&mock.url(), &[]);
+    // ~15 MB of spans that join nothing (unknown trace ids).
+    let span = |i: usize| {
+        json!({"traceId": format!("{:032x}", i + 1), "spanId": format!("{:016x}", i + 1),
+        "name": "llm_request", "kind": 2,
+        "startTimeUnixNano": "1796224255000000000", "endTimeUnixNano": "1796224256000000000",
+        "attributes": [
+            {"key": "gen_ai.latency.time_in_queue", "value": {"doubleValue": 0.5}},
+            {"key": "gen_ai.latency.time_in_model_prefill", "value": {"doubleValue": 0.25}},
+            {"key": "padding", "value": {"stringValue": "p".repeat(100)}}
+        ]})
+    };
+    let spans: Vec<_> = (0..30_000).map(span).collect();
+    let export = json!({"resourceSpans": [{"resource": {"attributes": []},
+        "scopeSpans": [{"scope": {"name": "vllm.llm_engine"}, "spans": spans}]}]})
+    .to_string();
+    assert!(
+        (14_000_000..16 << 20).contains(&export.len()),
+        "{}",
+        export.len()
+    );
+
+    // A long stream: one token every ~8 ms.
+    let body = json!({"model": "m", "stream": true, "max_tokens": 5000, "mock_output_tokens": 5000,
+        "messages": [{"role": "user", "content": "go"}]});
+    let req = http::Request::post(gw.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_string(),
+        )))
+        .expect("request");
+    let resp = client().request(req).await.expect("stream");
+    assert_eq!(resp.status(), 200);
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let reader = tokio::spawn(async move {
+        let mut body = resp.into_body();
+        let mut arrivals = Vec::new();
+        let mut rx = rx;
+        loop {
+            tokio::select! {
+                _ = &mut rx => break,
+                f = body.frame() => match f {
+                    Some(Ok(_)) => arrivals.push(Instant::now()),
+                    _ => break,
+                },
+            }
+        }
+        arrivals
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t0 = Instant::now();
+    let req = http::Request::post(format!("http://{}/v1/traces", gw.admin))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(export)))
+        .expect("otlp");
+    let resp = client().request(req).await.expect("otlp post");
+    let status = resp.status();
+    let _ = resp.into_body().collect().await;
+    let t1 = Instant::now();
+    assert!(status.is_success(), "{status}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = tx.send(());
+    let arrivals = reader.await.expect("reader");
+    let during: Vec<_> = arrivals
+        .iter()
+        .copied()
+        .filter(|a| *a >= t0 && *a <= t1 + Duration::from_millis(200))
+        .collect();
+    let post = t1 - t0;
+    let max_gap = during.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(post);
+    assert!(
+        post >= Duration::from_millis(150),
+        "the export took only {post:?}: not a load"
+    );
+    assert!(
+        during.len() >= 3 && max_gap * 3 < post,
+        "stream gaps up to {max_gap:?} during a {post:?} export ({} frames)",
+        during.len()
+    );
+}

@@ -218,6 +218,10 @@ async fn serve(args: ServeArgs) -> Result<()> {
     if let Some(e) = args.otlp_endpoint {
         cfg.tracing.otlp_endpoint = Some(e);
     }
+    if let Some(p) = args.worker_priority {
+        // The runtime's threads got it in `main`; the background runtime derives its own.
+        cfg.worker_priority = p;
+    }
     if let Some(p) = args.otlp_protocol {
         cfg.tracing.otlp_protocol = p;
     }

@@ -387,3 +387,52 @@ async fn a_large_otlp_export_does_not_stall_proxying() {
         during.len()
     );
 }
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .expect("status")
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmRSS")
+}
+
+/// 1,000 requests, each with 60 KB attribution headers (under the head limit): every record,
+/// the recent-records ring and the labels hold the bounded values, so the gateway's memory
+/// does not grow with what clients send (it grew by ~400 KB per request before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_attribution_headers_do_not_grow_memory() {
+    let mock = MockProc::start(&["--time-scale", "0"]);
+    let gw = GatewayProc::start(&mock.url(), &[("TOKENSCOPE_METRICS__USER_LABEL", "top_k")]);
+    let url = gw.url("/v1/chat/completions");
+    let send = |i: usize| {
+        let url = url.clone();
+        async move {
+            let user = format!("{i:06}{}", "x".repeat(30_000));
+            let line = format!("{i:06}{}", "y".repeat(30_000));
+            let (status, _, _) = post_json(
+                &url,
+                &chat(false),
+                &[
+                    ("x-tokenscope-user", &user),
+                    ("x-tokenscope-business-line", &line),
+                ],
+            )
+            .await;
+            assert_eq!(status, 200);
+        }
+    };
+    for i in 0..50 {
+        send(i).await;
+    }
+    let before = rss_kib(gw.child.id());
+    for chunk in (50..1050).collect::<Vec<_>>().chunks(8) {
+        futures_util::future::join_all(chunk.iter().map(|&i| send(i))).await;
+    }
+    let after = rss_kib(gw.child.id());
+    let grown_mib = after.saturating_sub(before) as f64 / 1024.0;
+    assert!(
+        grown_mib < 24.0,
+        "RSS {before} → {after} KiB over 1 000 requests with 60 KB of attribution each"
+    );
+}

@@ -6,9 +6,7 @@
 //! short timeouts (`upstream_timeout_ms = 300`, `stream_idle_timeout_ms = 300`) and a 2000-byte
 //! body limit. Faults come from the mock's `x-mock-fault` header.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use std::collections::HashSet;
 use std::time::{Duration, Instant};

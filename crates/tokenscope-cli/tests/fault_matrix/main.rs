@@ -13,3 +13,4 @@ mod common;
 #[path = "../llama/mod.rs"]
 #[allow(dead_code)]
 mod llama;
+mod upstream;

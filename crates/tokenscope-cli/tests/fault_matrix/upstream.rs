@@ -208,9 +208,24 @@ async fn real_llama_idle_gaps_through_gateway_equal_direct() {
 /// window the connection looks open to the gateway, but the server no longer reads from it.
 const FIN_DELAY: Duration = Duration::from_millis(300);
 
-/// An HTTP/1.1 server that answers every request with a small chat completion and closes a
-/// connection idle for `idle`, `FIN_DELAY` after deciding to (bytes that arrive meanwhile are
-/// never read). `advertise` adds `Keep-Alive: timeout=<idle in s>` to every response.
+/// How long after a streamed response the llama.cpp-like server's close reaches the client.
+const STREAM_FIN_DELAY: Duration = Duration::from_millis(100);
+
+/// How the in-test server closes connections.
+#[derive(Clone, Copy)]
+struct Closing {
+    /// Closes a connection idle this long, `FIN_DELAY` after deciding to (bytes that arrive
+    /// meanwhile are never read).
+    idle: Duration,
+    /// Adds `Keep-Alive: timeout=<idle in s>, max=100` to every response.
+    advertise: bool,
+    /// Closes the connection after every streamed (chunked) response, `STREAM_FIN_DELAY`
+    /// after its end, without saying so — what llama.cpp's server does.
+    after_stream: bool,
+}
+
+/// An HTTP/1.1 server that answers every request with a small chat completion (an SSE stream
+/// when the request says `"stream":true`) and closes connections as [`Closing`] says.
 struct ClosingServer {
     addr: std::net::SocketAddr,
     /// `x-request-id` of every request the server read, in order.
@@ -218,7 +233,7 @@ struct ClosingServer {
 }
 
 impl ClosingServer {
-    async fn start(idle: Duration, advertise: bool) -> Self {
+    async fn start(closing: Closing) -> Self {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -227,7 +242,7 @@ impl ClosingServer {
         let s2 = seen.clone();
         tokio::spawn(async move {
             while let Ok((sock, _)) = l.accept().await {
-                tokio::spawn(serve_conn(sock, idle, advertise, s2.clone()));
+                tokio::spawn(serve_conn(sock, closing, s2.clone()));
             }
         });
         Self { addr, seen }
@@ -240,10 +255,14 @@ impl ClosingServer {
 
 async fn serve_conn(
     mut s: tokio::net::TcpStream,
-    idle: Duration,
-    advertise: bool,
+    closing: Closing,
     seen: Arc<std::sync::Mutex<Vec<String>>>,
 ) {
+    let Closing {
+        idle,
+        advertise,
+        after_stream,
+    } = closing;
     let mut buf = Vec::new();
     let mut chunk = vec![0u8; 8192];
     loop {
@@ -290,6 +309,9 @@ async fn serve_conn(
         if let Some(id) = header("x-request-id") {
             seen.lock().expect("seen").push(id);
         }
+        let stream = String::from_utf8_lossy(&buf[head_end..head_end + len])
+            .replace(' ', "")
+            .contains("\"stream\":true");
         buf.drain(..head_end + len);
         let body = r#"{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
         let keep_alive = if advertise {
@@ -297,35 +319,66 @@ async fn serve_conn(
         } else {
             String::new()
         };
-        let resp = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{keep_alive}\r\n{body}",
-            body.len()
-        );
+        let resp = if stream {
+            let mut r = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n{keep_alive}\r\n"
+            );
+            for ev in [
+                r#"data: {"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}"#,
+                r#"data: {"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#,
+                "data: [DONE]",
+            ] {
+                let ev = format!("{ev}\n\n");
+                r.push_str(&format!("{:x}\r\n{ev}\r\n", ev.len()));
+            }
+            r.push_str("0\r\n\r\n");
+            r
+        } else {
+            format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{keep_alive}\r\n{body}",
+                body.len()
+            )
+        };
         if s.write_all(resp.as_bytes()).await.is_err() {
+            return;
+        }
+        if stream && after_stream {
+            // Done with this connection; the close is on its way, nothing more is read.
+            tokio::time::sleep(STREAM_FIN_DELAY).await;
             return;
         }
     }
 }
 
-/// Sends one measured and one pass-through request after each gap (each pair after the
-/// previous pair's responses), through a gateway in front of `server`; returns the ids sent
-/// and the failures.
-async fn at_gaps(gw: &GatewayProc, gaps_ms: &[u64], tag: &str) -> (Vec<String>, Vec<String>) {
+/// Sends one measured request (every other one streamed when `streams`) and, when
+/// `passthrough`, one pass-through request after each gap (each pair after the previous
+/// pair's responses), through `gw`; returns the ids sent and the failures.
+async fn at_gaps(
+    gw: &GatewayProc,
+    gaps_ms: &[u64],
+    tag: &str,
+    streams: bool,
+    passthrough: bool,
+) -> (Vec<String>, Vec<String>) {
     let mut ids = Vec::new();
     let mut errors = Vec::new();
-    let body =
-        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
     // Warm-up pair: opens the pooled connections.
     for (k, gap) in std::iter::once(&0).chain(gaps_ms).enumerate() {
         tokio::time::sleep(Duration::from_millis(*gap)).await;
+        let stream = streams && k % 2 == 0;
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": stream});
         let m = format!("{tag}-m{k}");
         let p = format!("{tag}-p{k}");
         let (chat_url, models_url) = (gw.url("/v1/chat/completions"), gw.url("/v1/models"));
-        let (rm, rp) = tokio::join!(
-            send("POST", &chat_url, Some(&body), &m),
-            send("GET", &models_url, None, &p),
-        );
-        for (id, r) in [(m, rm), (p, rp)] {
+        let (rm, rp) = tokio::join!(send("POST", &chat_url, Some(&body), &m), async {
+            if passthrough {
+                Some(send("GET", &models_url, None, &p).await)
+            } else {
+                None
+            }
+        });
+        let rp = rp.map(|r| (p, r));
+        for (id, r) in std::iter::once((m, rm)).chain(rp) {
             if let Err(e) = r {
                 errors.push(format!("{id} after {gap} ms idle: {e}"));
             }
@@ -351,10 +404,14 @@ fn reached_once(server: &ClosingServer, ids: &[String]) {
     }
 }
 
-async fn closing_case(idle: Duration, advertise: bool, env: &[(&str, &str)], gaps_ms: &[u64]) {
-    let server = ClosingServer::start(idle, advertise).await;
+/// Pass-through requests go through hyper-util's pooled client, which retires connections
+/// after `upstream_idle_timeout_ms` but does not read `Keep-Alive`: they are sent only where
+/// the server does not advertise a shorter timeout.
+async fn closing_case(closing: Closing, env: &[(&str, &str)], gaps_ms: &[u64]) {
+    let server = ClosingServer::start(closing).await;
     let gw = GatewayProc::start(&server.url(), env);
-    let (ids, errors) = at_gaps(&gw, gaps_ms, "c").await;
+    let passthrough = !closing.advertise;
+    let (ids, errors) = at_gaps(&gw, gaps_ms, "c", closing.after_stream, passthrough).await;
     assert_eq!(errors, Vec::<String>::new(), "failures through the gateway");
     reached_once(&server, &ids);
 }
@@ -365,24 +422,51 @@ async fn closing_case(idle: Duration, advertise: bool, env: &[(&str, &str)], gap
 async fn closing_server_advertised_keep_alive() {
     let idle = Duration::from_secs(1);
     // The closing window is [1000, 1300) ms of idle time.
-    closing_case(idle, true, &[], &[700, 1_150, 1_100, 1_600]).await;
+    let closing = Closing {
+        idle,
+        advertise: true,
+        after_stream: false,
+    };
+    closing_case(closing, &[], &[700, 1_150, 1_100, 1_600]).await;
 }
 
 /// A server that closes after 5 s without saying so (uvicorn's default, vLLM / SGLang), default
 /// configuration: the default `upstream_idle_timeout_ms` retires connections before it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closing_server_silent_5s_default_config() {
-    closing_case(Duration::from_secs(5), false, &[], &[4_500, 5_150]).await;
+    let closing = Closing {
+        idle: Duration::from_secs(5),
+        advertise: false,
+        after_stream: false,
+    };
+    closing_case(closing, &[], &[4_500, 5_150]).await;
 }
 
 /// A silent server with a shorter idle limit, and `upstream_idle_timeout_ms` set below it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closing_server_silent_configured_limit() {
+    let closing = Closing {
+        idle: Duration::from_secs(1),
+        advertise: false,
+        after_stream: false,
+    };
     closing_case(
-        Duration::from_secs(1),
-        false,
+        closing,
         &[("TOKENSCOPE_UPSTREAM_IDLE_TIMEOUT_MS", "600")],
         &[500, 1_150, 1_100, 1_600],
     )
     .await;
+}
+
+/// llama.cpp's server closes the connection after every streamed response while advertising
+/// `Keep-Alive: timeout=5`: streamed and non-streamed requests back to back (the next one
+/// arrives inside the close's `STREAM_FIN_DELAY`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_server_closes_after_streams() {
+    let closing = Closing {
+        idle: Duration::from_secs(5),
+        advertise: true,
+        after_stream: true,
+    };
+    closing_case(closing, &[], &[0; 12]).await;
 }

@@ -175,6 +175,7 @@ async fn real_llama_idle_gaps_through_gateway_equal_direct() {
     let gw = GatewayProc::start(&llama.url(), &[]);
     let (ids, gw_errors) = rounds(&format!("http://{}", gw.proxy), "gw", per_round, &gaps).await;
 
+    assert_eq!(ids.len(), 3 * per_round);
     assert_eq!(direct_errors, Vec::<String>::new(), "direct to llama.cpp");
     assert_eq!(
         gw_errors,

@@ -284,10 +284,16 @@ impl UpPool {
         })
     }
 
-    /// Pools a connection that may be reused until `expires`; an expired one (or one over
-    /// `max_idle`) is closed instead.
-    fn put(&self, sender: SendRequest<Full<Bytes>>, conn: Pin<Box<Conn>>, end: ResponseEnd) {
-        if end.expires <= Instant::now() {
+    /// Pools a connection that may be reused until `end.expires`; one expired by `now` (or
+    /// one over `max_idle`) is closed instead.
+    fn put(
+        &self,
+        sender: SendRequest<Full<Bytes>>,
+        conn: Pin<Box<Conn>>,
+        end: ResponseEnd,
+        now: Instant,
+    ) {
+        if end.expires <= now {
             return;
         }
         let mut q = self.idle.lock();
@@ -387,7 +393,7 @@ async fn settle(
     )
     .await;
     if let (Ok(true), Some(c)) = (ready, conn) {
-        pool.put(sender, c, end);
+        pool.put(sender, c, end, Instant::now());
     }
 }
 
@@ -480,6 +486,9 @@ impl UpConn {
             }
             return;
         };
+        if end.expires <= at {
+            return; // never reused (`upstream_idle_timeout_ms = 0`, `Keep-Alive: max=0`)
+        }
         let probe = end.chunked
             && match pool.after_chunked.load(Ordering::Relaxed) {
                 AFTER_CHUNKED_CLOSED => return,
@@ -487,7 +496,7 @@ impl UpConn {
                 _ => true,
             };
         if !probe && sender.is_ready() {
-            pool.put(sender, conn, end);
+            pool.put(sender, conn, end, at);
             return;
         }
         tokio::spawn(settle(pool, sender, conn, end, probe));
@@ -819,5 +828,28 @@ mod tests {
             assert_eq!(pool.idle_len(), 1);
         }
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_trusted_upstream_found_closing_after_chunked_responses_is_distrusted() {
+        let (addr, accepted) = chunked_server(true).await;
+        let pool = pool_for(&addr);
+        pool.after_chunked
+            .store(AFTER_CHUNKED_REUSABLE, Ordering::Relaxed);
+        assert_eq!(get(&pool).await.expect("response"), "ok");
+        // Pooled at once (trusted); the server's close arrives meanwhile.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(get(&pool).await.expect("response"), "ok");
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(
+            pool.after_chunked.load(Ordering::Relaxed),
+            AFTER_CHUNKED_CLOSED,
+            "found closed at checkout soon after its chunked response"
+        );
+        assert_eq!(
+            pool.idle_len(),
+            0,
+            "no longer pooled after a chunked response"
+        );
     }
 }

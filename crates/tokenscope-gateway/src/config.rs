@@ -423,6 +423,13 @@ pub struct GatewayConfig {
     pub upstream_timeout_ms: u64,
     /// Longest silence allowed between two body chunks of a response; beyond → `timeout`.
     pub stream_idle_timeout_ms: u64,
+    /// Longest time an idle upstream connection is reused after its last response (measured
+    /// and pass-through requests); older ones are closed and a new connection is opened. It
+    /// must sit below the engine's own keep-alive timeout (llama.cpp, vLLM, SGLang: 5 s): a
+    /// request written on a connection the engine is closing fails with a 502 and cannot be
+    /// sent again. A shorter `Keep-Alive: timeout=T` from the engine is honoured on measured
+    /// requests (reuse within `max(T − 1 s, T / 2)`). 0 = never reuse a connection.
+    pub upstream_idle_timeout_ms: u64,
     /// How long shutdown waits for in-flight requests before closing them.
     pub shutdown_grace_ms: u64,
     /// Add `stream_options.include_usage` upstream for exact streamed token counts.
@@ -492,6 +499,7 @@ impl Default for GatewayConfig {
             connect_timeout_ms: 5_000,
             upstream_timeout_ms: 600_000,
             stream_idle_timeout_ms: 300_000,
+            upstream_idle_timeout_ms: 4_000,
             shutdown_grace_ms: 30_000,
             inject_stream_usage: true,
             store_prompts: false,
@@ -706,6 +714,10 @@ impl GatewayConfig {
     pub fn stream_idle_timeout(&self) -> Duration {
         Duration::from_millis(self.stream_idle_timeout_ms)
     }
+    /// How long an idle upstream connection may be reused; zero = never.
+    pub fn upstream_idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.upstream_idle_timeout_ms)
+    }
 }
 
 /// Hex SHA-256 of a string.
@@ -722,6 +734,7 @@ const ENV_KEYS: &[&str] = &[
     "connect_timeout_ms",
     "upstream_timeout_ms",
     "stream_idle_timeout_ms",
+    "upstream_idle_timeout_ms",
     "shutdown_grace_ms",
     "inject_stream_usage",
     "store_prompts",
@@ -809,6 +822,23 @@ tenant = "search"
                 .and_then(|k| k.tenant.clone()),
             Some("search".into())
         );
+    }
+
+    #[test]
+    fn upstream_idle_timeout_default_file_and_env() {
+        let cfg = GatewayConfig::load_with_env(None, Vec::new()).expect("defaults");
+        // Below the 5 s keep-alive of llama.cpp, vLLM and SGLang.
+        assert_eq!(cfg.upstream_idle_timeout(), Duration::from_millis(4_000));
+        let mut f = tempfile::NamedTempFile::new().expect("tmp");
+        writeln!(f, "upstream_idle_timeout_ms = 1500").expect("write");
+        let cfg = GatewayConfig::load_with_env(Some(f.path()), Vec::new()).expect("file");
+        assert_eq!(cfg.upstream_idle_timeout(), Duration::from_millis(1_500));
+        let env = vec![(
+            "TOKENSCOPE_UPSTREAM_IDLE_TIMEOUT_MS".to_string(),
+            "0".to_string(),
+        )];
+        let cfg = GatewayConfig::load_with_env(Some(f.path()), env).expect("env");
+        assert_eq!(cfg.upstream_idle_timeout(), Duration::ZERO);
     }
 
     #[test]

@@ -726,7 +726,12 @@ impl Gateway {
                 states.extend(state.clone());
                 upstreams.push(Upstream {
                     name: u.name.clone(),
-                    pool: upconn::UpPool::new(&base, cfg.connect_timeout(), POOL_MAX_IDLE_PER_HOST),
+                    pool: upconn::UpPool::new(
+                        &base,
+                        cfg.connect_timeout(),
+                        POOL_MAX_IDLE_PER_HOST,
+                        cfg.upstream_idle_timeout(),
+                    ),
                     base,
                     cfg: u.clone(),
                     state,
@@ -801,10 +806,16 @@ impl Gateway {
         connector.set_nodelay(true);
         // The pass-through client (unmeasured paths; measured requests use `upconn`): at most
         // `PASSTHROUGH_MAX_IDLE_PER_HOST` idle connections per engine (each holds hyper's
-        // buffers, ~30 KiB).
+        // buffers, ~30 KiB), each reused for at most `upstream_idle_timeout_ms` (below the
+        // engine's keep-alive timeout; 0 = never: hyper-util reads a zero timeout as none).
+        let idle = cfg.upstream_idle_timeout();
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(PASSTHROUGH_MAX_IDLE_PER_HOST)
+            .pool_idle_timeout(idle)
+            .pool_max_idle_per_host(if idle.is_zero() {
+                0
+            } else {
+                PASSTHROUGH_MAX_IDLE_PER_HOST
+            })
             .build(connector);
         let tokenizers = tokenscope_tokenize::Tokenizers::new(&cfg.tokenizers)
             .map_err(|e| ConfigError::Invalid(format!("tokenizers: {e}")))?;

@@ -15,7 +15,20 @@
 //! * A connection returns to the pool only after its response ended and it is ready for the
 //!   next request ([`UpConn::release`]); dropped mid-response (client gone, upstream error,
 //!   idle timeout) it is closed, which also tells the engine to stop generating.
-//! * At most `max_idle` idle connections per upstream, each for at most [`IDLE_TIMEOUT`].
+//! * At most `max_idle` idle connections per upstream. A connection is reused only before
+//!   its reuse deadline: the pool's idle limit (`upstream_idle_timeout_ms`), shortened by the
+//!   engine's own `Keep-Alive: timeout=T` (to `max(T − 1 s, T / 2)`) and ended by `max=0`,
+//!   counted from the end of its last response. Engines close idle connections after a few
+//!   seconds (llama.cpp and uvicorn: 5 s); a request written on a connection the engine is
+//!   closing at that moment is lost, and cannot be sent again (nothing tells whether the
+//!   engine read it), so the pool retires a connection before the engine would.
+//! * Some engines close the connection right after every streamed (chunked) response without
+//!   saying so (llama.cpp's server: still `Keep-Alive: timeout=5, max=100`, no
+//!   `Connection: close`); pooled, such a connection would take the next request just as the
+//!   close arrives. So the pool learns, per upstream, what happens after a chunked response:
+//!   the first ones are watched for [`PROBE`] before pooling; one closed meanwhile (or found
+//!   closed at checkout within [`EARLY_CLOSE`] of its response) → connections are never reused
+//!   after a chunked response; [`PROBES_TO_TRUST`] still open → pooled like any other.
 //! * A request that a stale pooled connection refused before writing it is sent again on
 //!   another connection (hyper hands the request back); a request that was written is never
 //!   sent twice.
@@ -31,13 +44,79 @@ use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::net::TcpStream;
 
-/// How long an idle connection stays pooled.
-pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a connection is watched after a chunked response while the pool does not know yet
+/// whether the upstream closes connections after those (module docs).
+pub(crate) const PROBE: Duration = Duration::from_millis(250);
+/// A connection found closed at checkout this soon after its chunked response was closed by
+/// the upstream because of that response, not for being idle.
+pub(crate) const EARLY_CLOSE: Duration = Duration::from_secs(1);
+/// Chunked responses after which the connection stayed open for [`PROBE`] before the pool
+/// reuses connections after chunked responses without watching them first.
+pub(crate) const PROBES_TO_TRUST: u8 = 3;
+
+/// What the pool knows about the upstream's connections after a chunked response.
+const AFTER_CHUNKED_UNKNOWN: u8 = 0;
+const AFTER_CHUNKED_REUSABLE: u8 = 1;
+const AFTER_CHUNKED_CLOSED: u8 = 2;
+
+/// What a response's `Keep-Alive` header says about reusing its connection (RFC 2068 §19.7.1;
+/// sent by llama.cpp's cpp-httplib as `timeout=5, max=100`, by Apache, nginx as upstream…).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct KeepAlive {
+    /// `timeout=`: seconds the server keeps an idle connection open.
+    pub timeout: Option<Duration>,
+    /// `max=`: requests the server still accepts on the connection.
+    pub max: Option<u64>,
+}
+
+impl KeepAlive {
+    /// Reads `timeout=` and `max=` from every `Keep-Alive` header of `headers`; parameters it
+    /// does not know, or values that are not integers, are ignored. The last value wins.
+    pub(crate) fn parse(headers: &http::HeaderMap) -> Self {
+        let mut ka = KeepAlive::default();
+        for v in headers.get_all(http::header::HeaderName::from_static("keep-alive")) {
+            let Ok(v) = v.to_str() else { continue };
+            for param in v.split(',') {
+                let Some((k, val)) = param.split_once('=') else {
+                    continue;
+                };
+                let val = val.trim().trim_matches('"');
+                let k = k.trim();
+                if k.eq_ignore_ascii_case("timeout") {
+                    if let Ok(t) = val.parse::<u64>() {
+                        ka.timeout = Some(Duration::from_secs(t));
+                    }
+                } else if k.eq_ignore_ascii_case("max") {
+                    if let Ok(m) = val.parse::<u64>() {
+                        ka.max = Some(m);
+                    }
+                }
+            }
+        }
+        ka
+    }
+
+    /// How long after its last response a connection may still be reused: `limit` (the
+    /// configured idle limit), shortened by an advertised `timeout=T` to `max(T − 1 s, T / 2)`
+    /// — a margin for the close already travelling towards us and for our own request
+    /// travelling towards the engine — and zero when the server accepts no more requests
+    /// (`max=0`).
+    pub(crate) fn reuse_within(&self, limit: Duration) -> Duration {
+        if self.max == Some(0) {
+            return Duration::ZERO;
+        }
+        match self.timeout {
+            Some(t) => limit.min(t.saturating_sub(Duration::from_secs(1)).max(t / 2)),
+            None => limit,
+        }
+    }
+}
 
 type Conn = Connection<TokioIo<TcpStream>, Full<Bytes>>;
 
@@ -62,7 +141,12 @@ impl UpError {
 struct Idle {
     sender: SendRequest<Full<Bytes>>,
     conn: Pin<Box<Conn>>,
-    since: Instant,
+    /// Not reused from this instant on (see the module docs).
+    expires: Instant,
+    /// When its last response ended.
+    released: Instant,
+    /// Its last response was chunked.
+    chunked: bool,
 }
 
 /// The idle connections of one upstream. See the module docs.
@@ -73,7 +157,14 @@ pub(crate) struct UpPool {
     host: Option<HeaderValue>,
     connect_timeout: Duration,
     max_idle: usize,
+    /// The configured idle limit (`upstream_idle_timeout_ms`); zero = never reuse.
+    idle_timeout: Duration,
     idle: Mutex<VecDeque<Idle>>,
+    /// `AFTER_CHUNKED_*`: whether connections stay open after a chunked response.
+    after_chunked: AtomicU8,
+    /// Chunked responses whose connection stayed open for [`PROBE`] (up to
+    /// [`PROBES_TO_TRUST`]).
+    probes_ok: AtomicU8,
 }
 
 /// One upstream connection held by a request.
@@ -82,11 +173,21 @@ pub(crate) struct UpConn {
     /// `None` once the connection future completed (closed or failed).
     conn: Option<Pin<Box<Conn>>>,
     pool: Arc<UpPool>,
+    /// From the last response's `Keep-Alive` header.
+    keep_alive: KeepAlive,
+    /// The last response had no `Content-Length` (chunked, e.g. a stream).
+    chunked: bool,
 }
 
 impl UpPool {
-    /// A pool for the upstream at `base` (`http://host[:port][/prefix]`).
-    pub(crate) fn new(base: &Uri, connect_timeout: Duration, max_idle: usize) -> Arc<Self> {
+    /// A pool for the upstream at `base` (`http://host[:port][/prefix]`) that reuses a
+    /// connection for at most `idle_timeout` after its last response (zero: never).
+    pub(crate) fn new(
+        base: &Uri,
+        connect_timeout: Duration,
+        max_idle: usize,
+        idle_timeout: Duration,
+    ) -> Arc<Self> {
         let host = base.host().unwrap_or("127.0.0.1");
         let port = base.port_u16().unwrap_or(80);
         let addr = if host.contains(':') && !host.starts_with('[') {
@@ -102,7 +203,10 @@ impl UpPool {
             host: host_header,
             connect_timeout,
             max_idle,
+            idle_timeout,
             idle: Mutex::new(VecDeque::new()),
+            after_chunked: AtomicU8::new(AFTER_CHUNKED_UNKNOWN),
+            probes_ok: AtomicU8::new(0),
         })
     }
 
@@ -118,26 +222,37 @@ impl UpPool {
         loop {
             let mut idle = {
                 let mut q = self.idle.lock();
-                while q
-                    .front()
-                    .is_some_and(|i| now.duration_since(i.since) > IDLE_TIMEOUT)
-                {
-                    q.pop_front();
+                // Expired connections are closed outside the lock.
+                let mut expired = Vec::new();
+                while q.front().is_some_and(|i| i.expires <= now) {
+                    expired.extend(q.pop_front());
                 }
-                q.pop_back()?
+                let next = q.pop_back();
+                drop(q);
+                drop(expired);
+                next?
             };
-            if idle.sender.is_closed() {
+            // Deadlines differ per connection (`Keep-Alive`): the front is not always first.
+            if idle.expires <= now {
                 continue;
             }
             // A closed connection's future is ready (EOF or error): look without waiting.
             let mut cx = Context::from_waker(futures_util::task::noop_waker_ref());
-            if idle.conn.as_mut().poll(&mut cx).is_ready() || !idle.sender.is_ready() {
+            if idle.sender.is_closed()
+                || idle.conn.as_mut().poll(&mut cx).is_ready()
+                || !idle.sender.is_ready()
+            {
+                if idle.chunked && now.duration_since(idle.released) < EARLY_CLOSE {
+                    self.learn_closed_after_chunked();
+                }
                 continue;
             }
             return Some(UpConn {
                 sender: idle.sender,
                 conn: Some(idle.conn),
                 pool: Arc::clone(self),
+                keep_alive: KeepAlive::default(),
+                chunked: false,
             });
         }
     }
@@ -164,18 +279,121 @@ impl UpPool {
             sender,
             conn: Some(Box::pin(conn)),
             pool: Arc::clone(self),
+            keep_alive: KeepAlive::default(),
+            chunked: false,
         })
     }
 
-    fn put(&self, sender: SendRequest<Full<Bytes>>, conn: Pin<Box<Conn>>) {
+    /// Pools a connection that may be reused until `end.expires`; one expired by `now` (or
+    /// one over `max_idle`) is closed instead.
+    fn put(
+        &self,
+        sender: SendRequest<Full<Bytes>>,
+        conn: Pin<Box<Conn>>,
+        end: ResponseEnd,
+        now: Instant,
+    ) {
+        if end.expires <= now {
+            return;
+        }
         let mut q = self.idle.lock();
         if q.len() < self.max_idle {
             q.push_back(Idle {
                 sender,
                 conn,
-                since: Instant::now(),
+                expires: end.expires,
+                released: end.at,
+                chunked: end.chunked,
             });
         }
+    }
+
+    /// The upstream closes connections after chunked responses: stop reusing those.
+    fn learn_closed_after_chunked(&self) {
+        if self
+            .after_chunked
+            .swap(AFTER_CHUNKED_CLOSED, Ordering::Relaxed)
+            != AFTER_CHUNKED_CLOSED
+        {
+            tracing::info!(
+                upstream = %self.addr,
+                "the upstream closes connections after streamed (chunked) responses; \
+                 a new connection is opened for the request after each"
+            );
+        }
+    }
+
+    /// A connection stayed open for [`PROBE`] after a chunked response.
+    fn learn_open_after_chunked(&self) {
+        let ok = self
+            .probes_ok
+            .fetch_add(1, Ordering::Relaxed)
+            .saturating_add(1);
+        if ok >= PROBES_TO_TRUST {
+            let _ = self.after_chunked.compare_exchange(
+                AFTER_CHUNKED_UNKNOWN,
+                AFTER_CHUNKED_REUSABLE,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+}
+
+/// How a response ended, for pooling its connection.
+#[derive(Clone, Copy)]
+struct ResponseEnd {
+    /// When the response ended.
+    at: Instant,
+    /// Reuse deadline.
+    expires: Instant,
+    /// It had no `Content-Length`.
+    chunked: bool,
+}
+
+/// Waits (at most 5 s) until `conn` is ready for another request, then pools it; watches it
+/// for [`PROBE`] first when `probe` (learning what the upstream does after chunked responses).
+async fn settle(
+    pool: Arc<UpPool>,
+    mut sender: SendRequest<Full<Bytes>>,
+    conn: Pin<Box<Conn>>,
+    end: ResponseEnd,
+    probe: bool,
+) {
+    let mut conn = Some(conn);
+    // Ready(()) once the connection closed (EOF or error).
+    let mut closed = std::future::poll_fn(|cx| {
+        if let Some(c) = conn.as_mut() {
+            if c.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+        }
+        conn = None;
+        Poll::Ready(())
+    });
+    if probe {
+        if tokio::time::timeout(PROBE, &mut closed).await.is_ok() {
+            pool.learn_closed_after_chunked();
+            return;
+        }
+        pool.learn_open_after_chunked();
+    }
+    drop(closed);
+    let ready = tokio::time::timeout(
+        Duration::from_secs(5),
+        std::future::poll_fn(|cx| {
+            if let Some(c) = conn.as_mut() {
+                if c.as_mut().poll(cx).is_ready() {
+                    conn = None;
+                    return Poll::Ready(false);
+                }
+            }
+            sender.poll_ready(cx).map(|r| r.is_ok())
+        }),
+    )
+    .await;
+    if let (Ok(true), Some(c)) = (ready, conn) {
+        pool.put(sender, c, end, Instant::now());
     }
 }
 
@@ -225,10 +443,17 @@ impl UpConn {
             fut.as_mut().poll(cx)
         })
         .await;
-        res.map_err(|mut e| match e.take_message() {
-            Some(r) => Refused::Again(Box::new(r)),
-            None => Refused::Failed(e.into_error()),
-        })
+        match res {
+            Ok(resp) => {
+                self.keep_alive = KeepAlive::parse(resp.headers());
+                self.chunked = !resp.headers().contains_key(http::header::CONTENT_LENGTH);
+                Ok(resp)
+            }
+            Err(mut e) => Err(match e.take_message() {
+                Some(r) => Refused::Again(Box::new(r)),
+                None => Refused::Failed(e.into_error()),
+            }),
+        }
     }
 
     /// Polls the connection (reads, decodes, writes what it can); registers `cx` for its I/O.
@@ -243,35 +468,38 @@ impl UpConn {
     /// The response body was read to its end: back to the pool when the connection is ready
     /// for another request, else a short task waits for that (or closes it).
     pub(crate) fn release(mut self) {
+        // The idle time starts now, when the response ended (the engine's idle timer started
+        // when it wrote the end, a little earlier: the margin in `reuse_within` covers it).
+        let at = Instant::now();
+        let end = ResponseEnd {
+            at,
+            expires: at + self.keep_alive.reuse_within(self.pool.idle_timeout),
+            chunked: self.chunked,
+        };
         let mut cx = Context::from_waker(futures_util::task::noop_waker_ref());
         self.drive(&mut cx);
+        let (sender, pool) = (self.sender, self.pool);
         let Some(conn) = self.conn.take() else {
+            if end.chunked {
+                // Closed as soon as the chunked response ended.
+                pool.learn_closed_after_chunked();
+            }
             return;
         };
-        let (mut sender, pool) = (self.sender, self.pool);
-        if sender.is_ready() {
-            pool.put(sender, conn);
+        if end.expires <= at {
+            return; // never reused (`upstream_idle_timeout_ms = 0`, `Keep-Alive: max=0`)
+        }
+        let probe = end.chunked
+            && match pool.after_chunked.load(Ordering::Relaxed) {
+                AFTER_CHUNKED_CLOSED => return,
+                AFTER_CHUNKED_REUSABLE => false,
+                _ => true,
+            };
+        if !probe && sender.is_ready() {
+            pool.put(sender, conn, end, at);
             return;
         }
-        let mut conn = Some(conn);
-        tokio::spawn(async move {
-            let ready = tokio::time::timeout(
-                Duration::from_secs(5),
-                std::future::poll_fn(|cx| {
-                    if let Some(c) = conn.as_mut() {
-                        if c.as_mut().poll(cx).is_ready() {
-                            conn = None;
-                            return Poll::Ready(false);
-                        }
-                    }
-                    sender.poll_ready(cx).map(|r| r.is_ok())
-                }),
-            )
-            .await;
-            if let (Ok(true), Some(c)) = (ready, conn) {
-                pool.put(sender, c);
-            }
-        });
+        tokio::spawn(settle(pool, sender, conn, end, probe));
     }
 }
 
@@ -285,6 +513,14 @@ mod tests {
     /// connection after `per_conn` responses. Returns its address and the number of accepted
     /// connections.
     async fn server(per_conn: usize) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        server_with(per_conn, "").await
+    }
+
+    /// [`server`] that adds `extra` (whole header lines) to every response.
+    async fn server_with(
+        per_conn: usize,
+        extra: &'static str,
+    ) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -306,7 +542,7 @@ mod tests {
                         }
                         let close = i + 1 == per_conn;
                         let resp = format!(
-                            "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n{}\r\nok",
+                            "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n{extra}{}\r\nok",
                             if close { "connection: close\r\n" } else { "" }
                         );
                         if s.write_all(resp.as_bytes()).await.is_err() {
@@ -320,10 +556,15 @@ mod tests {
     }
 
     fn pool_for(addr: &str) -> Arc<UpPool> {
+        pool_idle(addr, Duration::from_secs(60))
+    }
+
+    fn pool_idle(addr: &str, idle_timeout: Duration) -> Arc<UpPool> {
         UpPool::new(
             &format!("http://{addr}").parse().expect("uri"),
             Duration::from_secs(1),
             8,
+            idle_timeout,
         )
     }
 
@@ -386,5 +627,229 @@ mod tests {
         assert_eq!(get(&pool).await.expect("response"), "ok");
         assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
         assert_eq!(pool.idle_len(), 1);
+    }
+
+    fn headers(values: &[&str]) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        for v in values {
+            h.append("keep-alive", HeaderValue::from_str(v).expect("value"));
+        }
+        h
+    }
+
+    #[test]
+    fn keep_alive_header_parsing() {
+        let secs = |s| Some(Duration::from_secs(s));
+        assert_eq!(
+            KeepAlive::parse(&headers(&["timeout=5, max=100"])),
+            KeepAlive {
+                timeout: secs(5),
+                max: Some(100)
+            }
+        );
+        // Case, spaces, quotes, unknown parameters, several headers (the last value wins).
+        assert_eq!(
+            KeepAlive::parse(&headers(&[
+                " Timeout = \"7\" ;x",
+                "foo, MAX=3",
+                "timeout=2"
+            ])),
+            KeepAlive {
+                timeout: secs(2),
+                max: Some(3)
+            }
+        );
+        // Not integers, no value, absent: nothing known.
+        for h in [
+            headers(&["timeout=1.5, max=-1"]),
+            headers(&["timeout, max"]),
+            headers(&[]),
+        ] {
+            assert_eq!(KeepAlive::parse(&h), KeepAlive::default(), "{h:?}");
+        }
+    }
+
+    #[test]
+    fn reuse_deadline_from_limit_and_keep_alive() {
+        let s = Duration::from_secs;
+        let ms = Duration::from_millis;
+        let ka = |timeout: Option<u64>, max: Option<u64>| KeepAlive {
+            timeout: timeout.map(s),
+            max,
+        };
+        // Nothing advertised: the configured limit.
+        assert_eq!(ka(None, None).reuse_within(s(4)), s(4));
+        assert_eq!(ka(None, Some(100)).reuse_within(ms(0)), ms(0));
+        // llama.cpp's `timeout=5`: one second of margin, unless the limit is shorter.
+        assert_eq!(ka(Some(5), Some(100)).reuse_within(s(60)), s(4));
+        assert_eq!(ka(Some(5), None).reuse_within(s(3)), s(3));
+        // Short timeouts: half of it.
+        assert_eq!(ka(Some(1), None).reuse_within(s(60)), ms(500));
+        assert_eq!(ka(Some(2), None).reuse_within(s(60)), s(1));
+        assert_eq!(ka(Some(0), None).reuse_within(s(60)), ms(0));
+        // `max=0`: no further request on this connection.
+        assert_eq!(ka(Some(5), Some(0)).reuse_within(s(60)), ms(0));
+    }
+
+    #[tokio::test]
+    async fn pooled_until_the_advertised_keep_alive_allows() {
+        let (addr, accepted) = server_with(100, "keep-alive: timeout=1, max=100\r\n").await;
+        let pool = pool_for(&addr);
+        let before = Instant::now();
+        assert_eq!(get(&pool).await.expect("response"), "ok");
+        let after = Instant::now();
+        let expires = pool.idle.lock().front().map(|i| i.expires).expect("pooled");
+        // Reusable for 500 ms after the response ended (`timeout=1`), not the pool's 60 s.
+        assert!(
+            expires >= before + Duration::from_millis(500),
+            "{expires:?}"
+        );
+        assert!(expires <= after + Duration::from_millis(500), "{expires:?}");
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn expired_connections_are_not_reused() {
+        let (addr, accepted) = server(100).await;
+        let pool = pool_for(&addr);
+        assert_eq!(get(&pool).await.expect("response"), "ok");
+        assert_eq!(get(&pool).await.expect("response"), "ok");
+        assert_eq!(
+            accepted.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "reused"
+        );
+        // The deadline passes (as it would after the idle limit).
+        for i in pool.idle.lock().iter_mut() {
+            i.expires = Instant::now();
+        }
+        assert_eq!(get(&pool).await.expect("response"), "ok");
+        assert_eq!(
+            accepted.load(std::sync::atomic::Ordering::SeqCst),
+            2,
+            "a new connection"
+        );
+        assert_eq!(pool.idle_len(), 1, "the expired one is gone");
+    }
+
+    #[tokio::test]
+    async fn never_reused_with_a_zero_limit_or_max_0() {
+        let (addr, accepted) = server(100).await;
+        let pool = pool_idle(&addr, Duration::ZERO);
+        for _ in 0..3 {
+            assert_eq!(get(&pool).await.expect("response"), "ok");
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
+        assert_eq!(pool.idle_len(), 0);
+
+        let (addr, accepted) = server_with(100, "keep-alive: timeout=5, max=0\r\n").await;
+        let pool = pool_for(&addr);
+        for _ in 0..3 {
+            assert_eq!(get(&pool).await.expect("response"), "ok");
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
+        assert_eq!(pool.idle_len(), 0);
+    }
+
+    /// A server answering every request with a chunked `ok`; `close_after`: closes the
+    /// connection right after each response, without saying so (llama.cpp after a stream).
+    async fn chunked_server(close_after: bool) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = l.local_addr().expect("addr").to_string();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let acc = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = l.accept().await {
+                acc.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 4096];
+                    loop {
+                        let mut got = Vec::new();
+                        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                            match s.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => got.extend_from_slice(&buf[..n]),
+                            }
+                        }
+                        let resp = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\
+                                    keep-alive: timeout=5, max=100\r\n\r\n2\r\nok\r\n0\r\n\r\n";
+                        if s.write_all(resp.as_bytes()).await.is_err() || close_after {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    async fn after_chunked_settles(pool: &UpPool, want: u8) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.after_chunked.load(Ordering::Relaxed) != want {
+            assert!(Instant::now() < deadline, "pool did not learn {want}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn learns_that_the_upstream_closes_after_chunked_responses() {
+        let (addr, accepted) = chunked_server(true).await;
+        let pool = pool_for(&addr);
+        assert_eq!(get(&pool).await.expect("response"), "ok");
+        // Watched, not pooled: the close arrives within the probe.
+        assert_eq!(pool.idle_len(), 0);
+        after_chunked_settles(&pool, AFTER_CHUNKED_CLOSED).await;
+        for _ in 0..5 {
+            assert_eq!(get(&pool).await.expect("response"), "ok");
+            assert_eq!(pool.idle_len(), 0, "never pooled after a chunked response");
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 6);
+    }
+
+    #[tokio::test]
+    async fn trusts_connections_that_stay_open_after_chunked_responses() {
+        let (addr, accepted) = chunked_server(false).await;
+        let pool = pool_for(&addr);
+        for n in 1..=usize::from(PROBES_TO_TRUST) {
+            assert_eq!(get(&pool).await.expect("response"), "ok");
+            // Pooled once the probe saw it stay open.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while pool.idle_len() == 0 {
+                assert!(Instant::now() < deadline, "probe {n} never pooled");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        after_chunked_settles(&pool, AFTER_CHUNKED_REUSABLE).await;
+        // Trusted: pooled as soon as the response ends, one connection for all.
+        for _ in 0..5 {
+            assert_eq!(get(&pool).await.expect("response"), "ok");
+            assert_eq!(pool.idle_len(), 1);
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_trusted_upstream_found_closing_after_chunked_responses_is_distrusted() {
+        let (addr, accepted) = chunked_server(true).await;
+        let pool = pool_for(&addr);
+        pool.after_chunked
+            .store(AFTER_CHUNKED_REUSABLE, Ordering::Relaxed);
+        assert_eq!(get(&pool).await.expect("response"), "ok");
+        // Pooled at once (trusted); the server's close arrives meanwhile.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(get(&pool).await.expect("response"), "ok");
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert_eq!(
+            pool.after_chunked.load(Ordering::Relaxed),
+            AFTER_CHUNKED_CLOSED,
+            "found closed at checkout soon after its chunked response"
+        );
+        assert_eq!(
+            pool.idle_len(),
+            0,
+            "no longer pooled after a chunked response"
+        );
     }
 }

@@ -30,3 +30,4 @@ mod leaks;
 mod llama; // (its own `#![allow(dead_code)]`; a second one here fails clippy)
 mod shutdown;
 mod store;
+mod upstream;

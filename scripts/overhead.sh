@@ -24,7 +24,10 @@
 #     config file: the fast one is the default upstream, the slow one serves models `slow-*`;
 #     A second, identical gateway runs with `--worker-priority $GW_PRIORITY` (nice value of
 #     its runtime threads, like nginx's `worker_priority`; needs CAP_SYS_NICE, e.g. root —
-#     the script checks /proc and says whether it took effect; GW_PRIORITY=0 skips it);
+#     the script checks /proc and says whether it took effect; GW_PRIORITY=0 skips it).
+#     With BASE_BIN=PATH that second gateway is instead another build of tokenscope (e.g. the
+#     commit before a change) at the default priority, labelled "baseline": a before/after
+#     comparison of the gateway in one run, both against the same direct rounds;
 #  3. `tokenscope bench` at $RATE req/s (constant arrivals, seed 1, the bench's default
 #     prompt mix 80:64-256,20:2048-4096), streamed, $TOKENS output tokens, $DURATION per run:
 #     warm-up (direct, gateway, prioritised gateway), then $PAIRS interleaved rounds (direct,
@@ -44,6 +47,7 @@
 # Environment: CARGO_TARGET_DIR (default $HOME/.cache/tokenscope/target), TOKENSCOPE_CACHE
 # (default $HOME/.cache/tokenscope), RATE (500), DURATION (4s), WARMUP (10s, each side),
 # TOKENS (100), PAIRS (10, rounds), GW_PRIORITY (-5; 0 = no prioritised gateway),
+# BASE_BIN (a baseline tokenscope binary for the second gateway instead of the prioritised one),
 # STREAMS (1000), MOCK_TIME_SCALE (0), GW_WORKERS (the gateway's --worker-threads; default:
 # its own default), TOKENSCOPE_BIN (use this binary, no build),
 # KEEP=1 keeps the work directory (bench JSON, logs, spans).
@@ -157,7 +161,7 @@ GW_ARGS=()
 start_gateway() {
   local tag=$1 pid ready
   shift
-  TOKENSCOPE_SPOOL__DIR="$WORK/spool-$tag" "$BIN" serve "${GW_ARGS[@]}" "$@" \
+  TOKENSCOPE_SPOOL__DIR="$WORK/spool-$tag" "${GWBIN:-$BIN}" serve "${GW_ARGS[@]}" "$@" \
     --config "$WORK/gateway.toml" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
     --store "$WORK/ts-$tag.db" \
     --otlp-endpoint "http://127.0.0.1:$OTLP_PORT" --otlp-protocol http --trace-sample-ratio 0.01 \
@@ -174,7 +178,12 @@ log "mock http://$MOCK, slow mock http://$SLOW, OTLP sink :$OTLP_PORT, gateway h
 # The prioritised gateway: the same, with --worker-priority.
 SIDES="direct gateway"
 PRIO_NOTE=""
-if [ "$GW_PRIORITY" != 0 ]; then
+if [ -n "${BASE_BIN:-}" ]; then
+  GWBIN="$BASE_BIN" start_gateway PRIO
+  PRIO_NOTE="baseline build \`$("$BASE_BIN" --version 2>/dev/null || echo "$BASE_BIN")\` ($BASE_BIN) at the default priority"
+  log "baseline gateway http://$PRIO_PROXY (admin $PRIO_ADMIN): $PRIO_NOTE"
+  SIDES="direct gateway prio"
+elif [ "$GW_PRIORITY" != 0 ]; then
   start_gateway PRIO --worker-priority "$GW_PRIORITY"
   # Did it take effect? The nice value (field 19 of /proc/PID/task/TID/stat) of the runtime
   # threads; without CAP_SYS_NICE they stay at the inherited value and the gateway warns.
@@ -284,12 +293,12 @@ envv() { awk -F= -v k="$2" '$1==k{print $2}' "$WORK/$1.env"; }
 MIB() { awk -v k="$1" 'BEGIN{printf "%.1f", k/1024}'; }
 yes_no() { if [ "$1" = 1 ]; then echo "**met**"; else echo "**not met**"; fi; }
 
-label() { case $1 in direct) echo "mock";; gateway) echo "gateway → mock";; prio) echo "gateway (worker_priority $GW_PRIORITY) → mock";; esac; }
+label() { case $1 in direct) echo "mock";; gateway) echo "gateway → mock";; prio) if [ -n "${BASE_BIN:-}" ]; then echo "baseline gateway → mock"; else echo "gateway (worker_priority $GW_PRIORITY) → mock"; fi;; esac; }
 GSIDES="${SIDES#direct }"
 {
   echo "Run $(date -u +%Y-%m-%dT%H:%MZ), $(nproc) CPUs ($(awk -F': ' '/^model name/{print $2; exit}' /proc/cpuinfo)), $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+dirty'); load average at the end $(cut -d' ' -f1-3 /proc/loadavg)."
   echo
-  echo "Load: \`tokenscope bench --rates $RATE --duration $DURATION --arrival constant --seed 1 --mix 80:64-256,20:2048-4096 --stream --output-tokens $TOKENS\`, $PAIRS interleaved rounds ($SIDES) after one warm-up round; gateway \`${GW_ARGS[*]:-(default workers)}\`$( [ -n "$PRIO_NOTE" ] && echo "; prioritised gateway: the same with \`--worker-priority $GW_PRIORITY\`, $PRIO_NOTE"); mock \`--slots 256 --time-scale $MOCK_TIME_SCALE\`; gateways: SQLite store, metrics, OTLP/HTTP tracing at ratio 0.01 to a local sink. Latencies are client-side, ms."
+  echo "Load: \`tokenscope bench --rates $RATE --duration $DURATION --arrival constant --seed 1 --mix 80:64-256,20:2048-4096 --stream --output-tokens $TOKENS\`, $PAIRS interleaved rounds ($SIDES) after one warm-up round; gateway \`${GW_ARGS[*]:-(default workers)}\`$( [ -n "$PRIO_NOTE" ] && if [ -n "${BASE_BIN:-}" ]; then echo "; second gateway: $PRIO_NOTE"; else echo "; prioritised gateway: the same with \`--worker-priority $GW_PRIORITY\`, $PRIO_NOTE"; fi); mock \`--slots 256 --time-scale $MOCK_TIME_SCALE\`; gateways: SQLite store, metrics, OTLP/HTTP tracing at ratio 0.01 to a local sink. Latencies are client-side, ms."
   echo
   echo "| run | target | ok / failed / dropped | achieved req/s | TTFT P50 | TTFT P99 | e2e P50 | e2e P99 | gateway CPU (cores) | mock CPU (cores) |"
   echo "|---|---|---|---|---|---|---|---|---|---|"

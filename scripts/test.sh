@@ -83,7 +83,7 @@ fi
 
 step "cargo test --workspace"
 set +e
-cargo test --workspace 2>&1 | tee "${TMPDIR:-/tmp}/tokenscope-test.log"
+cargo test --workspace --no-fail-fast 2>&1 | tee "${TMPDIR:-/tmp}/tokenscope-test.log"
 status=${PIPESTATUS[0]}
 set -e
 passed=$(grep -Eo 'test result: [a-zA-Z]+\. [0-9]+ passed; [0-9]+ failed' "${TMPDIR:-/tmp}/tokenscope-test.log" | awk '{p+=$4; f+=$6} END {print p+0, f+0}')

@@ -147,11 +147,14 @@ async fn rounds(
 }
 
 /// Rows of the store, polled until `want` are there (the pipeline writes asynchronously).
-async fn rows_when(gw: &GatewayProc, want: usize) -> Vec<serde_json::Value> {
+async fn rows_when(
+    gw: &GatewayProc,
+    want: usize,
+) -> Vec<serde_json::Map<String, serde_json::Value>> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         gw.flush().await;
-        let rows = store_rows(&gw.store);
+        let rows = store_table(&gw.store);
         if rows.len() >= want || Instant::now() > deadline {
             return rows;
         }
@@ -188,11 +191,12 @@ async fn real_llama_idle_gaps_through_gateway_equal_direct() {
         ids.len(),
         "one row per request through the gateway"
     );
+    // Each request sent its own `x-request-id`: kept as the row's `client_request_id`.
     let by_id: HashMap<&str, &str> = rows
         .iter()
         .map(|r| {
             (
-                r["request_id"].as_str().expect("request_id"),
+                r["client_request_id"].as_str().expect("client_request_id"),
                 r["outcome"].as_str().expect("outcome"),
             )
         })

@@ -20,6 +20,24 @@ pub fn client() -> HttpClient {
     Client::builder(TokioExecutor::new()).build(HttpConnector::new())
 }
 
+/// Reads `serve`'s ready line from its piped stdout ("tokenscope listening proxy=ADDR
+/// admin=ADDR store=PATH") and returns the proxy and admin addresses.
+pub fn read_ready_line(child: &mut Child) -> (SocketAddr, SocketAddr) {
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .expect("read ready line");
+    let field = |name: &str| -> SocketAddr {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+            .parse()
+            .expect("socket addr")
+    };
+    (field("proxy="), field("admin="))
+}
+
 /// A running `tokenscope serve` process.
 pub struct GatewayProc {
     pub child: Child,
@@ -66,21 +84,7 @@ impl GatewayProc {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().expect("spawn tokenscope");
-        let stdout = child.stdout.take().expect("stdout");
-        let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("read ready line");
-        // "tokenscope listening proxy=ADDR admin=ADDR store=PATH"
-        let field = |name: &str| -> SocketAddr {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(name))
-                .unwrap_or_else(|| panic!("no {name} in {line:?}"))
-                .parse()
-                .expect("socket addr")
-        };
-        let proxy = field("proxy=");
-        let admin = field("admin=");
+        let (proxy, admin) = read_ready_line(&mut child);
         GatewayProc {
             child,
             proxy,

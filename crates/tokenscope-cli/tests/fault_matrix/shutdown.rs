@@ -11,7 +11,6 @@
 
 use crate::common::*;
 use serde_json::json;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -62,20 +61,10 @@ impl LoggedGateway {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().expect("spawn tokenscope");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("stdout"))
-            .read_line(&mut line)
-            .expect("ready line");
-        let field = |name: &str| -> SocketAddr {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(name))
-                .unwrap_or_else(|| panic!("no {name} in {line:?}"))
-                .parse()
-                .expect("addr")
-        };
+        let (proxy, admin) = read_ready_line(&mut child);
         Self {
-            proxy: field("proxy="),
-            admin: field("admin="),
+            proxy,
+            admin,
             child,
             store,
             log,

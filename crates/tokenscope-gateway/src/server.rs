@@ -471,31 +471,6 @@ pub(crate) async fn serve(
     let lingering = Arc::new(AtomicUsize::new(0));
     let max = limits.max_connections.max(1);
     loop {
-        // At the cap, make room before taking another descriptor: ask the connection reusable
-        // for longest to close and wait (briefly) until one has closed. With none reusable,
-        // accept and answer 503.
-        let mut full = false;
-        if conns.open() >= max {
-            if conns.evict_one() {
-                conns.counters.evicted.inc();
-            }
-            let freed = conns.freed.notified();
-            tokio::pin!(freed);
-            // Registered before the check below: a close in between is not missed.
-            freed.as_mut().enable();
-            if conns.open() >= max {
-                let waited = tokio::select! {
-                    biased;
-                    _ = stop.wait_for(|v| *v) => break,
-                    () = &mut freed => true,
-                    () = tokio::time::sleep(Duration::from_millis(100)) => false,
-                };
-                if waited || conns.open() < max {
-                    continue;
-                }
-                full = true;
-            }
-        }
         let accepted = tokio::select! {
             biased;
             _ = stop.wait_for(|v| *v) => break,
@@ -520,10 +495,25 @@ pub(crate) async fn serve(
             }
         };
         conns.counters.accepted.inc();
-        if full && conns.open() >= max {
-            conns.counters.rejected.inc();
-            reject(tcp, &lingering);
-            continue;
+        if conns.open() >= max {
+            // At the cap: the connection reusable for longest makes room, and the loop waits
+            // (briefly) until it has closed before taking another descriptor, so a flood of
+            // connections never holds more than the cap plus this one. With none reusable the
+            // new connection is answered 503.
+            let freed = conns.freed.notified();
+            tokio::pin!(freed);
+            // Registered before the eviction: its close is not missed.
+            freed.as_mut().enable();
+            if !conns.evict_one() {
+                conns.counters.rejected.inc();
+                reject(tcp, &lingering);
+                continue;
+            }
+            conns.counters.evicted.inc();
+            tokio::select! {
+                () = &mut freed => {}
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
         }
         if limits.nodelay {
             // Streamed tokens are small writes: no Nagle delay behind the client's delayed ACK.

@@ -178,7 +178,9 @@ log "mock http://$MOCK, slow mock http://$SLOW, OTLP sink :$OTLP_PORT, gateway h
 # The prioritised gateway: the same, with --worker-priority.
 SIDES="direct gateway"
 PRIO_NOTE=""
+SECOND_NAME="prioritised gateway"
 if [ -n "${BASE_BIN:-}" ]; then
+  SECOND_NAME="baseline gateway"
   GWBIN="$BASE_BIN" start_gateway PRIO
   PRIO_NOTE="baseline build \`$("$BASE_BIN" --version 2>/dev/null || echo "$BASE_BIN")\` ($BASE_BIN) at the default priority"
   log "baseline gateway http://$PRIO_PROXY (admin $PRIO_ADMIN): $PRIO_NOTE"
@@ -370,7 +372,7 @@ GSIDES="${SIDES#direct }"
   done
   echo "| gateway RSS ≤ 64 MB at $STREAMS concurrent streams | gateway | peak $(MIB "$PEAK_RSS_KB") MiB ($(calc "int($PEAK_RSS_KB * 1024 / 1e6 + 0.5)") MB) with $PEAK_RSS_INFLIGHT in flight; $(MIB "$RSS_AT_MAX_KB") MiB at the highest in-flight count sampled, $MAX_INFLIGHT ($(MIB $((RSS_AT_MAX_KB - RSS_AFTER_KB))) MiB above the RSS before the run) | $(yes_no "$OKRSS") |"
   echo
-  echo "Gateway RSS: $(MIB "$RSS_IDLE_KB") MiB idle after start, $(MIB "$RSS_AFTER_KB") MiB after the $RATE req/s runs, peak $(MIB "$PEAK_RSS_KB") MiB during the $STREAMS-stream run (VmHWM over the whole process life $(MIB "$HWM_KB") MiB). Streams run: $(jf streams .ok) ok / $(jf streams .failed) failed / $(jf streams .dropped) dropped. Store: $REC_WRITTEN records written, $REC_DROPPED dropped, $REC_LOST lost. Traces: $SPANS_EXPORTED spans exported ($SPANS_DROPPED dropped), $( [ -n "$PRIO_NOTE" ] && echo "prioritised gateway: $PRIO_SPANS exported ($PRIO_SPANS_DROPPED dropped); both gateways' spans ")$SPANS_RECEIVED received by the sink.$( [ -n "$PRIO_NOTE" ] && echo " Prioritised gateway's store: $PRIO_WRITTEN records written, $PRIO_DROPPED dropped, $PRIO_LOST lost.")"
+  echo "Gateway RSS: $(MIB "$RSS_IDLE_KB") MiB idle after start, $(MIB "$RSS_AFTER_KB") MiB after the $RATE req/s runs, peak $(MIB "$PEAK_RSS_KB") MiB during the $STREAMS-stream run (VmHWM over the whole process life $(MIB "$HWM_KB") MiB). Streams run: $(jf streams .ok) ok / $(jf streams .failed) failed / $(jf streams .dropped) dropped. Store: $REC_WRITTEN records written, $REC_DROPPED dropped, $REC_LOST lost. Traces: $SPANS_EXPORTED spans exported ($SPANS_DROPPED dropped), $( [ -n "$PRIO_NOTE" ] && echo "$SECOND_NAME: $PRIO_SPANS exported ($PRIO_SPANS_DROPPED dropped); both gateways' spans ")$SPANS_RECEIVED received by the sink.$( [ -n "$PRIO_NOTE" ] && echo " Store of the $SECOND_NAME: $PRIO_WRITTEN records written, $PRIO_DROPPED dropped, $PRIO_LOST lost.")"
 } >"$WORK/table.md"
 
 mkdir -p "$(dirname "$OUT")"

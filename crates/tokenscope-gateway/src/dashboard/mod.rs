@@ -251,20 +251,35 @@ async fn page(
     };
     let shared = s.shared.clone();
     let until = window.until_us;
-    let loaded =
-        tokio::task::spawn_blocking(move || load(&shared, since_us, until).map(|r| (shared, r)))
-            .await;
-    let (shared, records) = match loaded {
-        Ok(Ok(x)) => x,
-        Ok(Err(e)) => {
-            return (
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("reading the store failed: {e}"),
-            )
-                .into_response()
-        }
-        Err(_) => return (StatusCode::INTERNAL_SERVER_ERROR, "query failed").into_response(),
-    };
+    // Reading the window's rows and computing the page (percentiles over up to millions of
+    // rows) are both CPU work: off the runtime, on a blocking thread of the background
+    // runtime (nice +10), so neither a request nor the admin listener waits behind a page.
+    let done = tokio::task::spawn_blocking(move || {
+        let records = load(&shared, since_us, until)?;
+        Ok::<_, String>(render(&shared, &page, &records, range, &window, &filters))
+    })
+    .await;
+    match done {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(e)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("reading the store failed: {e}"),
+        )
+            .into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "query failed").into_response(),
+    }
+}
+
+/// One page's JSON from the window's records (pure but for the kept-trace memory and the
+/// budget gauges it reads).
+fn render(
+    shared: &Shared,
+    page: &str,
+    records: &[RequestRecord],
+    range: Range,
+    window: &Window,
+    filters: &Filters,
+) -> Response {
     let kept_fn = |_: &str| None;
     let tracing_on = shared.tracing.is_some();
     let kept = &shared.kept_traces;
@@ -282,13 +297,12 @@ async fn page(
         kept: if tracing_on { &kept_lookup } else { &kept_fn },
         url_template: shared.cfg.dashboard.trace_url.as_deref(),
     };
-    match page.as_str() {
-        "overview" => Json(aggregate::overview(
-            &records, range, &window, &filters, &links,
-        ))
-        .into_response(),
+    match page {
+        "overview" => {
+            Json(aggregate::overview(records, range, window, filters, &links)).into_response()
+        }
         "performance" => Json(aggregate::performance(
-            &records, range, &window, &filters, &links,
+            records, range, window, filters, &links,
         ))
         .into_response(),
         _ => {
@@ -307,7 +321,7 @@ async fn page(
                     business_line: l,
                 })
                 .collect();
-            Json(aggregate::cost(&records, range, &window, &filters, budgets)).into_response()
+            Json(aggregate::cost(records, range, window, filters, budgets)).into_response()
         }
     }
 }

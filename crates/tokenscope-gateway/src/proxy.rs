@@ -550,6 +550,23 @@ pub(crate) async fn passthrough(State(shared): State<Arc<Shared>>, req: Request)
         );
     };
     let (parts, body) = req.into_parts();
+    // A body of known size (every ordinary API call) goes over the upstream's own pool, like a
+    // measured request: its connections are retired before the engine closes them and are not
+    // reused after a stream when the engine closes those (llama.cpp's native `/completion`
+    // streams too). Bodies of unknown length (chunked uploads) stream through the hyper-util
+    // client.
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    let known = match declared {
+        Some(n) => n <= shared.cfg.max_body_bytes,
+        None => parts.method == http::Method::GET || parts.method == http::Method::HEAD,
+    };
+    if known && !parts.headers.contains_key(header::TRANSFER_ENCODING) {
+        return passthrough_pooled(&shared, upstream, parts, body).await;
+    }
     let uri = match upstream_uri(&upstream.base, &parts.uri) {
         Ok(u) => u,
         Err(e) => return error_response(StatusCode::BAD_REQUEST, "bad_uri", &e.to_string()),
@@ -579,6 +596,83 @@ pub(crate) async fn passthrough(State(shared): State<Arc<Shared>>, req: Request)
         Ok(Ok(resp)) => {
             let (rparts, rbody) = resp.into_parts();
             let mut out = Response::new(Body::new(rbody));
+            *out.status_mut() = rparts.status;
+            copy_response_headers(&rparts.headers, out.headers_mut(), false);
+            out
+        }
+    }
+}
+
+/// Pass-through of a request whose body has a known size, on the upstream's [`UpPool`]
+/// (read whole, at most `max_body_bytes`; the response is streamed).
+///
+/// [`UpPool`]: crate::upconn::UpPool
+async fn passthrough_pooled(
+    shared: &Shared,
+    upstream: &crate::Upstream,
+    parts: http::request::Parts,
+    body: Body,
+) -> Response {
+    let body_timeout = std::time::Duration::from_millis(shared.cfg.limits.body_timeout_ms);
+    let limited = http_body_util::Limited::new(body, shared.cfg.max_body_bytes);
+    let bytes = match tokio::time::timeout(body_timeout, limited.collect()).await {
+        Err(_) => {
+            return error_response(
+                StatusCode::REQUEST_TIMEOUT,
+                "client_body_timeout",
+                "the request body did not arrive within limits.body_timeout_ms",
+            )
+        }
+        Ok(Err(_)) => {
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                "client_body_error",
+                "could not read the request body",
+            )
+        }
+        Ok(Ok(c)) => c.to_bytes(),
+    };
+    let uri = match origin_form(&upstream.base, &parts.uri) {
+        Ok(u) => u,
+        Err(e) => return error_response(StatusCode::BAD_REQUEST, "bad_uri", &e.to_string()),
+    };
+    let mut up = http::Request::builder()
+        .method(parts.method)
+        .uri(uri)
+        .version(http::Version::HTTP_11);
+    if let Some(h) = up.headers_mut() {
+        copy_request_headers(&parts.headers, h, false);
+        if !bytes.is_empty() || parts.headers.contains_key(header::CONTENT_LENGTH) {
+            h.insert(header::CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+        }
+    }
+    let up = match up.body(http_body_util::Full::new(bytes)) {
+        Ok(r) => r,
+        Err(e) => return error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string()),
+    };
+    let sent = tokio::time::timeout(
+        shared.cfg.upstream_timeout(),
+        crate::upconn::send(&upstream.pool, up),
+    )
+    .await;
+    match sent {
+        Err(_) => error_response(
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream_timeout",
+            "the upstream did not answer in time",
+        ),
+        Ok(Err(e)) => error_response(
+            StatusCode::BAD_GATEWAY,
+            if e.is_connect() {
+                "upstream_unreachable"
+            } else {
+                "upstream_failed"
+            },
+            &format!("upstream {}: {e}", upstream.name),
+        ),
+        Ok(Ok((resp, conn))) => {
+            let (rparts, rbody) = resp.into_parts();
+            let mut out = Response::new(Body::new(crate::upconn::PooledBody::new(rbody, conn)));
             *out.status_mut() = rparts.status;
             copy_response_headers(&rparts.headers, out.headers_mut(), false);
             out

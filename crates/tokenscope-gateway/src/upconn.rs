@@ -503,6 +503,56 @@ impl UpConn {
     }
 }
 
+/// A response body read over an [`UpConn`] that nobody measures (pass-through): drives the
+/// connection while it is read, returns it to the pool at the end of the body, closes it when
+/// dropped early or on an error.
+pub(crate) struct PooledBody {
+    body: Incoming,
+    conn: Option<UpConn>,
+}
+
+impl PooledBody {
+    pub(crate) fn new(body: Incoming, conn: UpConn) -> Self {
+        Self {
+            body,
+            conn: Some(conn),
+        }
+    }
+}
+
+impl http_body::Body for PooledBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, hyper::Error>>> {
+        if let Some(c) = self.conn.as_mut() {
+            c.drive(cx);
+        }
+        let r = Pin::new(&mut self.body).poll_frame(cx);
+        match &r {
+            Poll::Ready(None) => {
+                if let Some(c) = self.conn.take() {
+                    c.release();
+                }
+            }
+            Poll::Ready(Some(Err(_))) => self.conn = None,
+            _ => {}
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

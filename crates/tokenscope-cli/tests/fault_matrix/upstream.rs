@@ -475,3 +475,30 @@ async fn closing_server_closes_after_streams() {
     };
     closing_case(closing, &[], &[0; 12]).await;
 }
+
+/// The same engine behaviour on a path the gateway passes through unmeasured (llama.cpp's
+/// native `/completion` streams too): streamed and non-streamed requests back to back go over
+/// the upstream's own pool, so none lands on a connection the engine is closing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_server_closes_after_streams_passthrough() {
+    let server = ClosingServer::start(Closing {
+        idle: Duration::from_secs(5),
+        advertise: true,
+        after_stream: true,
+    })
+    .await;
+    let gw = GatewayProc::start(&server.url(), &[]);
+    let url = gw.url("/completion");
+    let mut ids = Vec::new();
+    let mut errors = Vec::new();
+    for k in 0..16 {
+        let body = json!({"prompt": "hi", "n_predict": 1, "stream": k % 2 == 0});
+        let id = format!("pt-{k}");
+        if let Err(e) = send("POST", &url, Some(&body), &id).await {
+            errors.push(format!("{id}: {e}"));
+        }
+        ids.push(id);
+    }
+    assert_eq!(errors, Vec::<String>::new(), "pass-through failures");
+    reached_once(&server, &ids);
+}

@@ -160,6 +160,67 @@ fn with_ids(mut r: Response, shown_id: &str, key: &str, trace_id: &str) -> Respo
     r
 }
 
+/// The ids a measured request's answers carry: what the client sees as `x-request-id`, the
+/// gateway's key, the trace id.
+struct Ids<'a> {
+    shown: &'a str,
+    key: &'a str,
+    trace: &'a str,
+}
+
+/// The one failure path of a measured request before its response: the record is finished
+/// with `outcome` / `error_type` and `status`, and the client gets the JSON error with the ids.
+fn fail(
+    mut guard: RecordGuard,
+    (outcome, error_type): (Outcome, &'static str),
+    status: StatusCode,
+    message: &str,
+    ids: &Ids<'_>,
+) -> Response {
+    if let Some(p) = guard.get() {
+        p.rec.http_status = status.as_u16();
+    }
+    guard.finish(Instant::now(), Some((outcome, error_type)));
+    with_ids(
+        error_response(status, error_type, message),
+        ids.shown,
+        ids.key,
+        ids.trace,
+    )
+}
+
+/// Why a request body could not be read.
+enum BodyError {
+    /// Over the size limit (413).
+    TooLarge,
+    /// Did not arrive within `limits.body_timeout_ms` (408).
+    Timeout,
+    /// The client's stream failed.
+    Failed,
+}
+
+/// Reads a request body whole: at most `limit` bytes, within `timeout`.
+async fn read_body(
+    body: Body,
+    limit: usize,
+    timeout: std::time::Duration,
+) -> Result<Bytes, BodyError> {
+    match tokio::time::timeout(timeout, http_body_util::Limited::new(body, limit).collect()).await {
+        Err(_) => Err(BodyError::Timeout),
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+        Ok(Err(e))
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(BodyError::TooLarge)
+        }
+        Ok(Err(_)) => Err(BodyError::Failed),
+    }
+}
+
+const BODY_TIMEOUT_MESSAGE: &str = "the request body did not arrive within limits.body_timeout_ms";
+const UPSTREAM_TIMEOUT_MESSAGE: &str = "the upstream did not answer in time";
+
 /// The API key presented by the client, if any (`Authorization: Bearer`, `x-api-key`, `api-key`).
 fn api_key(h: &HeaderMap) -> Option<&str> {
     header_str(h, "authorization")
@@ -239,36 +300,28 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     if declared.is_some_and(|n| n > limit as u64) {
         return too_large(guard, limit, &shown_id, &request_id, &trace_id);
     }
-    let body_timeout = std::time::Duration::from_millis(shared.cfg.limits.body_timeout_ms);
-    let Ok(read) = tokio::time::timeout(
-        body_timeout,
-        http_body_util::Limited::new(body, limit).collect(),
-    )
-    .await
-    else {
-        if let Some(p) = guard.get() {
-            p.rec.http_status = 408;
-        }
-        guard.finish(
-            Instant::now(),
-            Some((Outcome::ClientError, "client_body_timeout")),
-        );
-        let mut resp = error_response(
-            StatusCode::REQUEST_TIMEOUT,
-            "client_body_timeout",
-            "the request body did not arrive within limits.body_timeout_ms",
-        );
-        set_ids(resp.headers_mut(), &shown_id, &request_id, &trace_id);
-        return resp;
+    let ids = Ids {
+        shown: &shown_id,
+        key: &request_id,
+        trace: &trace_id,
     };
-    let body_bytes = match read {
-        Ok(c) => c.to_bytes(),
-        Err(e) => {
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some()
-            {
-                return too_large(guard, limit, &shown_id, &request_id, &trace_id);
-            }
+    let body_timeout = std::time::Duration::from_millis(shared.cfg.limits.body_timeout_ms);
+    let body_bytes = match read_body(body, limit, body_timeout).await {
+        Ok(b) => b,
+        Err(BodyError::TooLarge) => {
+            return too_large(guard, limit, &shown_id, &request_id, &trace_id)
+        }
+        Err(BodyError::Timeout) => {
+            return fail(
+                guard,
+                (Outcome::ClientError, "client_body_timeout"),
+                StatusCode::REQUEST_TIMEOUT,
+                BODY_TIMEOUT_MESSAGE,
+                &ids,
+            )
+        }
+        Err(BodyError::Failed) => {
+            // The client's stream broke: it went away (499 in the record), answered 400.
             guard.finish(
                 Instant::now(),
                 Some((Outcome::Cancelled, "client_body_error")),
@@ -354,19 +407,12 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
 
     // Routing.
     let Some(upstream) = shared.route(info.model.as_deref()) else {
-        guard.finish(
-            Instant::now(),
-            Some((Outcome::UpstreamError, "no_upstream")),
-        );
-        return with_ids(
-            error_response(
-                StatusCode::BAD_GATEWAY,
-                "no_upstream",
-                "no upstream is configured for this model",
-            ),
-            &shown_id,
-            &request_id,
-            &trace_id,
+        return fail(
+            guard,
+            (Outcome::UpstreamError, "no_upstream"),
+            StatusCode::BAD_GATEWAY,
+            "no upstream is configured for this model",
+            &ids,
         );
     };
     if let Some(p) = guard.get() {
@@ -395,13 +441,13 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     let uri = match origin_form(&upstream.base, &parts.uri) {
         Ok(u) => u,
         Err(e) => {
-            guard.finish(Instant::now(), Some((Outcome::ClientError, "bad_uri")));
-            return with_ids(
-                error_response(StatusCode::BAD_REQUEST, "bad_uri", &e.to_string()),
-                &shown_id,
-                &request_id,
-                &trace_id,
-            );
+            return fail(
+                guard,
+                (Outcome::ClientError, "bad_uri"),
+                StatusCode::BAD_REQUEST,
+                &e.to_string(),
+                &ids,
+            )
         }
     };
     let mut up = http::Request::builder()
@@ -424,13 +470,13 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     let up = match up.body(http_body_util::Full::new(forward_body)) {
         Ok(r) => r,
         Err(e) => {
-            guard.finish(Instant::now(), Some((Outcome::ClientError, "bad_request")));
-            return with_ids(
-                error_response(StatusCode::BAD_REQUEST, "bad_request", &e.to_string()),
-                &shown_id,
-                &request_id,
-                &trace_id,
-            );
+            return fail(
+                guard,
+                (Outcome::ClientError, "bad_request"),
+                StatusCode::BAD_REQUEST,
+                &e.to_string(),
+                &ids,
+            )
         }
     };
 
@@ -448,28 +494,21 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
                 Instant::now(),
                 Some((Outcome::Timeout, "upstream_header_timeout")),
             );
-            let mut r = error_response(
+            let r = error_response(
                 StatusCode::GATEWAY_TIMEOUT,
                 "upstream_timeout",
-                "the upstream did not answer in time",
+                UPSTREAM_TIMEOUT_MESSAGE,
             );
-            set_ids(r.headers_mut(), &shown_id, &request_id, &trace_id);
-            return r;
+            return with_ids(r, &shown_id, &request_id, &trace_id);
         }
         Ok(Err(e)) => {
-            let kind = if e.is_connect() {
-                "upstream_unreachable"
-            } else {
-                "upstream_failed"
-            };
-            guard.finish(Instant::now(), Some((Outcome::UpstreamError, kind)));
-            let mut r = error_response(
+            return fail(
+                guard,
+                (Outcome::UpstreamError, e.code()),
                 StatusCode::BAD_GATEWAY,
-                kind,
                 &format!("upstream {}: {e}", upstream.name),
-            );
-            set_ids(r.headers_mut(), &shown_id, &request_id, &trace_id);
-            return r;
+                &ids,
+            )
         }
         Ok(Ok(r)) => r,
     };
@@ -586,7 +625,7 @@ pub(crate) async fn passthrough(State(shared): State<Arc<Shared>>, req: Request)
         Err(_) => error_response(
             StatusCode::GATEWAY_TIMEOUT,
             "upstream_timeout",
-            "the upstream did not answer in time",
+            UPSTREAM_TIMEOUT_MESSAGE,
         ),
         Ok(Err(e)) => error_response(
             StatusCode::BAD_GATEWAY,
@@ -614,23 +653,22 @@ async fn passthrough_pooled(
     body: Body,
 ) -> Response {
     let body_timeout = std::time::Duration::from_millis(shared.cfg.limits.body_timeout_ms);
-    let limited = http_body_util::Limited::new(body, shared.cfg.max_body_bytes);
-    let bytes = match tokio::time::timeout(body_timeout, limited.collect()).await {
-        Err(_) => {
+    let bytes = match read_body(body, shared.cfg.max_body_bytes, body_timeout).await {
+        Ok(b) => b,
+        Err(BodyError::Timeout) => {
             return error_response(
                 StatusCode::REQUEST_TIMEOUT,
                 "client_body_timeout",
-                "the request body did not arrive within limits.body_timeout_ms",
+                BODY_TIMEOUT_MESSAGE,
             )
         }
-        Ok(Err(_)) => {
+        Err(BodyError::TooLarge | BodyError::Failed) => {
             return error_response(
                 StatusCode::BAD_REQUEST,
                 "client_body_error",
                 "could not read the request body",
             )
         }
-        Ok(Ok(c)) => c.to_bytes(),
     };
     let uri = match origin_form(&upstream.base, &parts.uri) {
         Ok(u) => u,
@@ -659,15 +697,11 @@ async fn passthrough_pooled(
         Err(_) => error_response(
             StatusCode::GATEWAY_TIMEOUT,
             "upstream_timeout",
-            "the upstream did not answer in time",
+            UPSTREAM_TIMEOUT_MESSAGE,
         ),
         Ok(Err(e)) => error_response(
             StatusCode::BAD_GATEWAY,
-            if e.is_connect() {
-                "upstream_unreachable"
-            } else {
-                "upstream_failed"
-            },
+            e.code(),
             &format!("upstream {}: {e}", upstream.name),
         ),
         Ok(Ok((resp, conn))) => {

@@ -136,6 +136,15 @@ impl UpError {
     pub(crate) fn is_connect(&self) -> bool {
         matches!(self, UpError::Connect { .. })
     }
+
+    /// The error code a client (and the record's `error_type`) gets for it.
+    pub(crate) fn code(&self) -> &'static str {
+        if self.is_connect() {
+            "upstream_unreachable"
+        } else {
+            "upstream_failed"
+        }
+    }
 }
 
 struct Idle {

@@ -20,6 +20,27 @@ pub fn client() -> HttpClient {
     Client::builder(TokioExecutor::new()).build(HttpConnector::new())
 }
 
+/// `serve` on port 0 for both listeners, with `upstream` and `store` when given, the spool in
+/// `dir`, a 20 ms store flush and stdout piped for [`read_ready_line`].
+pub fn serve_args(
+    cmd: &mut Command,
+    upstream: Option<&str>,
+    store: Option<&std::path::Path>,
+    dir: &std::path::Path,
+) {
+    cmd.arg("serve");
+    if let Some(u) = upstream {
+        cmd.args(["--upstream", u]);
+    }
+    cmd.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]);
+    if let Some(s) = store {
+        cmd.arg("--store").arg(s);
+    }
+    cmd.env("TOKENSCOPE_SPOOL__DIR", dir.join("spool"))
+        .env("TOKENSCOPE_PIPELINE__FLUSH_INTERVAL_MS", "20")
+        .stdout(Stdio::piped());
+}
+
 /// Reads `serve`'s ready line from its piped stdout ("tokenscope listening proxy=ADDR
 /// admin=ADDR store=PATH") and returns the proxy and admin addresses.
 pub fn read_ready_line(child: &mut Child) -> (SocketAddr, SocketAddr) {
@@ -65,20 +86,11 @@ impl GatewayProc {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = dir.path().join("tokenscope.db");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_tokenscope"));
-        cmd.arg("serve");
-        if let Some(u) = upstream {
-            cmd.args(["--upstream", u]);
-        }
-        cmd.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]);
         // A `--store` among `args` (e.g. a ClickHouse URL) replaces the fresh SQLite file.
-        if !args.contains(&"--store") {
-            cmd.arg("--store").arg(&store);
-        }
+        let own_store = (!args.contains(&"--store")).then_some(store.as_path());
+        serve_args(&mut cmd, upstream, own_store, dir.path());
         cmd.args(args)
-            .env("TOKENSCOPE_SPOOL__DIR", dir.path().join("spool"))
-            .env("TOKENSCOPE_PIPELINE__FLUSH_INTERVAL_MS", "20")
             .env("TOKENSCOPE_LOG", "warn")
-            .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         for (k, v) in extra_env {
             cmd.env(k, v);

@@ -13,7 +13,7 @@ use crate::common::*;
 use serde_json::json;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -47,15 +47,9 @@ impl LoggedGateway {
             }
             None => Command::new(bin),
         };
-        cmd.args(["serve", "--upstream", upstream])
-            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-            .arg("--store")
-            .arg(&store)
-            .env("TOKENSCOPE_SPOOL__DIR", dir.path().join("spool"))
-            .env("TOKENSCOPE_PIPELINE__FLUSH_INTERVAL_MS", "20")
-            .env("TOKENSCOPE_LOG", "info")
+        serve_args(&mut cmd, Some(upstream), Some(&store), dir.path());
+        cmd.env("TOKENSCOPE_LOG", "info")
             .env("NO_COLOR", "1")
-            .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).expect("log file"));
         for (k, v) in env {
             cmd.env(k, v);

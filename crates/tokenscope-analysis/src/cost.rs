@@ -221,7 +221,10 @@ fn group(
 ) -> BTreeMap<Vec<String>, Usage> {
     let mut groups: BTreeMap<Vec<String>, Usage> = BTreeMap::new();
     for (r, c) in records.iter().zip(costs) {
-        let key: Vec<String> = by.iter().map(|d| dimension_value(*d, r).to_owned()).collect();
+        let key: Vec<String> = by
+            .iter()
+            .map(|d| dimension_value(*d, r).to_owned())
+            .collect();
         groups.entry(key).or_default().add(r, *c);
     }
     groups

@@ -298,7 +298,10 @@ mod tests {
             StoreTarget::Sqlite("./t.db".into())
         );
         let ch = StoreTarget::parse("clickhouse://u:pw@h:8123/db");
-        assert_eq!(ch, StoreTarget::ClickHouse("clickhouse://u:pw@h:8123/db".into()));
+        assert_eq!(
+            ch,
+            StoreTarget::ClickHouse("clickhouse://u:pw@h:8123/db".into())
+        );
         assert_eq!(ch.display(), "clickhouse://u:***@h:8123/db");
         assert_eq!(ch.default_spool_dir(), PathBuf::from("./tokenscope-spool"));
         assert_eq!(
@@ -353,7 +356,10 @@ mod tests {
     fn a_bad_clickhouse_url_names_the_host_not_the_password() {
         let err = open_reader(&StoreTarget::parse("clickhouse://u:secret@/")).err();
         let msg = err.map(|e| e.detail()).unwrap_or_default();
-        assert!(msg.starts_with("connecting to clickhouse://u:***@/"), "{msg}");
+        assert!(
+            msg.starts_with("connecting to clickhouse://u:***@/"),
+            "{msg}"
+        );
         assert!(!msg.contains("secret"), "{msg}");
     }
 }

@@ -706,5 +706,4 @@ mod tests {
         assert_eq!(utc_day(951_782_400_000_000), 20_000_229); // leap day 2000-02-29
         assert_eq!(utc_day(-1), 19_691_231);
     }
-
 }

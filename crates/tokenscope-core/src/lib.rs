@@ -31,9 +31,9 @@ pub mod sse;
 pub mod timing;
 pub mod w3c;
 
+pub use query::{nearest_rank, nearest_rank_index, Dimension, Format, InvalidQuery, Window};
 pub use record::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
 };
-pub use query::{nearest_rank, nearest_rank_index, Dimension, Format, InvalidQuery, Window};
 pub use redact::redact_url;
 pub use timing::StreamTimer;

@@ -94,7 +94,10 @@ pub enum Dimension {
     #[cfg_attr(feature = "clap", value(name = "tenant"))]
     Tenant,
     /// `business_line`.
-    #[cfg_attr(feature = "clap", value(name = "business_line", alias = "business-line"))]
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "business_line", alias = "business-line")
+    )]
     BusinessLine,
     /// `request_type`.
     #[cfg_attr(feature = "clap", value(name = "request_type", alias = "request-type"))]

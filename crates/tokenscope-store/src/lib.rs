@@ -51,8 +51,8 @@ pub use pipeline::{
 };
 pub use read::RecordReader;
 pub use report::{
-    render, run_report, run_report_on, run_report_threads, ColKind, Dimension, FilterValue,
-    Format, Quantiles, ReportQuery, ReportRow, ScanValue, Scanner, NONE_LABEL,
+    render, run_report, run_report_on, run_report_threads, ColKind, Dimension, FilterValue, Format,
+    Quantiles, ReportQuery, ReportRow, ScanValue, Scanner, NONE_LABEL,
 };
 pub use spool::{Append, Spool, SpoolConfig, SpoolEntry, SpoolError};
 pub use sqlite::{FileChange, SqliteStore};

@@ -313,14 +313,13 @@ mod tests {
 
     #[test]
     fn percentile_of_sorted_values() {
-        let v = [1.0, 2.0, 3.0, 4.0];
-        assert_eq!(nearest_rank(&v, 0.5), Some(2.0));
-        assert_eq!(nearest_rank(&v, 0.99), Some(4.0));
-        assert_eq!(nearest_rank(&v, 0.25), Some(1.0));
-        assert_eq!(nearest_rank::<f64>(&[], 0.5), None);
         let h: Vec<u64> = (1..=100).collect();
-        assert_eq!(nearest_rank(&h, 0.99), Some(99));
-        assert_eq!(nearest_rank(&h, 0.9), Some(90));
+        let got: Vec<Option<u64>> = [0.0, 0.5, 0.9, 0.99, 1.0]
+            .iter()
+            .map(|q| nearest_rank(&h, *q))
+            .collect();
+        assert_eq!(got, [Some(1), Some(50), Some(90), Some(99), Some(100)]);
+        assert_eq!(nearest_rank::<u64>(&[], 0.5), None);
     }
 
     #[test]

@@ -21,75 +21,61 @@ use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use tokenscope_core::RequestRecord;
 
-/// A grouping dimension.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Dimension {
-    /// `business_line`.
-    BusinessLine,
-    /// `tenant`.
-    Tenant,
-    /// `user_id`.
-    User,
-    /// `model`.
-    Model,
-    /// `request_type`.
-    RequestType,
+/// The grouping dimensions of `tokenscope cost` ([`DIMENSIONS`], a subset of the report's
+/// [`Dimension`]s: the text dimensions that identify who or what spent the tokens).
+pub use tokenscope_core::query::Dimension;
+
+/// The dimensions `tokenscope cost` groups by.
+pub const DIMENSIONS: [Dimension; 5] = [
+    Dimension::BusinessLine,
+    Dimension::Tenant,
+    Dimension::User,
+    Dimension::Model,
+    Dimension::RequestType,
+];
+
+/// Parses a comma-separated list of cost dimensions (`business_line,model`): each of
+/// [`DIMENSIONS`] by its name (`user_id` also names `user`), duplicates dropped, order kept.
+pub fn parse_dimensions(s: &str) -> Result<Vec<Dimension>, AnalysisError> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let d = match part {
+            "user_id" => Dimension::User,
+            name => DIMENSIONS
+                .into_iter()
+                .find(|d| d.as_str() == name)
+                .ok_or_else(|| {
+                    AnalysisError::InvalidOption(format!(
+                        "--by {name:?}: use business_line, tenant, user, model or request_type"
+                    ))
+                })?,
+        };
+        if !out.contains(&d) {
+            out.push(d);
+        }
+    }
+    if out.is_empty() {
+        return Err(AnalysisError::InvalidOption("--by is empty".into()));
+    }
+    Ok(out)
 }
 
-impl Dimension {
-    /// The dimension's name (as accepted by [`Dimension::parse_list`]).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Dimension::BusinessLine => "business_line",
-            Dimension::Tenant => "tenant",
-            Dimension::User => "user",
-            Dimension::Model => "model",
-            Dimension::RequestType => "request_type",
-        }
-    }
-
-    /// Parses a comma-separated list (`business_line,model`).
-    pub fn parse_list(s: &str) -> Result<Vec<Dimension>, AnalysisError> {
-        let mut out = Vec::new();
-        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let d = match part {
-                "business_line" => Dimension::BusinessLine,
-                "tenant" => Dimension::Tenant,
-                "user" | "user_id" => Dimension::User,
-                "model" => Dimension::Model,
-                "request_type" => Dimension::RequestType,
-                other => {
-                    return Err(AnalysisError::InvalidOption(format!(
-                        "--by {other:?}: use business_line, tenant, user, model or request_type"
-                    )))
-                }
-            };
-            if !out.contains(&d) {
-                out.push(d);
-            }
-        }
-        if out.is_empty() {
-            return Err(AnalysisError::InvalidOption("--by is empty".into()));
-        }
-        Ok(out)
-    }
-
-    /// The value of this dimension in `r` (`"(none)"` when unset).
-    pub fn value(self, r: &RequestRecord) -> &str {
-        let v = match self {
-            Dimension::BusinessLine => r.business_line.as_deref(),
-            Dimension::Tenant => r.tenant.as_deref(),
-            Dimension::User => r.user_id.as_deref(),
-            Dimension::Model => Some(r.model.as_str()),
-            Dimension::RequestType => Some(r.request_type.as_str()),
-        };
-        v.unwrap_or(NONE)
-    }
+/// The value of cost dimension `d` in `r` ([`NONE`] when unset; also for a dimension outside
+/// [`DIMENSIONS`]).
+pub fn dimension_value(d: Dimension, r: &RequestRecord) -> &str {
+    let v = match d {
+        Dimension::BusinessLine => r.business_line.as_deref(),
+        Dimension::Tenant => r.tenant.as_deref(),
+        Dimension::User => r.user_id.as_deref(),
+        Dimension::Model => Some(r.model.as_str()),
+        Dimension::RequestType => Some(r.request_type.as_str()),
+        _ => None,
+    };
+    v.unwrap_or(NONE)
 }
 
 /// The key value of an unset dimension.
-pub const NONE: &str = "(none)";
+pub const NONE: &str = tokenscope_core::query::NONE_LABEL;
 
 /// Sums of one group (or of the whole window).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -235,7 +221,10 @@ fn group(
 ) -> BTreeMap<Vec<String>, Usage> {
     let mut groups: BTreeMap<Vec<String>, Usage> = BTreeMap::new();
     for (r, c) in records.iter().zip(costs) {
-        let key: Vec<String> = by.iter().map(|d| d.value(r).to_owned()).collect();
+        let key: Vec<String> = by
+            .iter()
+            .map(|d| dimension_value(*d, r).to_owned())
+            .collect();
         groups.entry(key).or_default().add(r, *c);
     }
     groups
@@ -498,11 +487,11 @@ mod tests {
     #[test]
     fn nested_grouping_and_parse() {
         assert_eq!(
-            Dimension::parse_list("business_line, model,model").expect("ok"),
+            parse_dimensions("business_line, model,model").expect("ok"),
             [Dimension::BusinessLine, Dimension::Model]
         );
-        assert!(Dimension::parse_list("color").is_err());
-        assert!(Dimension::parse_list("").is_err());
+        assert!(parse_dimensions("color").is_err());
+        assert!(parse_dimensions("").is_err());
         let cur = vec![
             rec(Some("a"), "gpt", 10, 0, 0),
             rec(Some("a"), "x", 10, 0, 0),

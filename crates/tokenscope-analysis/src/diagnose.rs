@@ -179,10 +179,10 @@ pub struct DiagnoseReport {
     pub conclusion: Conclusion,
 }
 
-/// Exact nearest-rank percentile of `sorted` (ascending): `x_k`, `k = ⌈q·n⌉` (1 ≤ k ≤ n),
-/// `q` taken in millionths so exact ranks have no floating-point off-by-one.
+/// Exact nearest-rank percentile of `sorted` (ascending) `f64`s: the one definition,
+/// [`tokenscope_core::query::nearest_rank`], under the name the diagnosis uses.
 pub fn percentile(sorted: &[f64], q: f64) -> Option<f64> {
-    crate::nearest_rank(sorted, q)
+    tokenscope_core::query::nearest_rank(sorted, q)
 }
 
 /// The finite values of `it`, sorted ascending.

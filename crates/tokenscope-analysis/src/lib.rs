@@ -23,6 +23,9 @@
 //!   (`tokenscope export prometheus-rules`); [`alerts`] — the same conditions evaluated by the
 //!   gateway itself over recent records, with one notification per incident.
 //!
+//! The window, the output format and the nearest-rank percentile are
+//! `tokenscope_core::query`'s ([`Window`], [`Format`], [`nearest_rank`]), re-exported here.
+//!
 //! Invariants:
 //! * No I/O and no clock: the window and "now" are arguments, so the same records give the
 //!   same answers on every store and in tests.
@@ -44,56 +47,18 @@ pub use prices::{ModelPrice, PriceTable};
 use serde::Serialize;
 use tokenscope_core::RequestRecord;
 
-/// The time range analysed: `[since_us, until_us)`, epoch microseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct Window {
-    /// Start, inclusive.
-    pub since_us: i64,
-    /// End, exclusive.
-    pub until_us: i64,
-}
+/// The analysed time range and the output format are the read side's shared vocabulary
+/// (`tokenscope_core::query`), re-exported here; so is the one percentile definition.
+pub use tokenscope_core::query::{nearest_rank, Format, Window};
 
-impl Window {
-    /// Length in seconds (at least 1 µs).
-    pub fn seconds(&self) -> f64 {
-        ((self.until_us - self.since_us).max(1)) as f64 / 1e6
-    }
-
-    /// The window of the same length just before this one (for trends).
-    pub fn previous(&self) -> Window {
-        let len = self.until_us - self.since_us;
-        Window {
-            since_us: self.since_us - len,
-            until_us: self.since_us,
-        }
-    }
-
-    /// Whether `t_us` lies in the window.
-    pub fn contains(&self, t_us: i64) -> bool {
-        t_us >= self.since_us && t_us < self.until_us
-    }
-}
-
-/// Output format of the analysis commands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Format {
-    /// A readable table (default).
-    #[default]
-    Table,
-    /// JSON for machines.
-    Json,
-}
-
-impl std::str::FromStr for Format {
-    type Err = AnalysisError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "table" => Ok(Format::Table),
-            "json" => Ok(Format::Json),
-            other => Err(AnalysisError::InvalidOption(format!(
-                "format {other:?}: use table or json"
-            ))),
-        }
+/// Parses the `--format` of the analysis commands: `table` or `json` (exact names).
+pub fn parse_format(s: &str) -> Result<Format, AnalysisError> {
+    match s {
+        "table" => Ok(Format::Table),
+        "json" => Ok(Format::Json),
+        other => Err(AnalysisError::InvalidOption(format!(
+            "format {other:?}: use table or json"
+        ))),
     }
 }
 
@@ -120,21 +85,61 @@ pub trait Report: Serialize {
                 s.push('\n');
                 s
             }
+            Format::Csv => self.render_csv(),
+        }
+    }
+
+    /// The CSV rendering. The default is lossless but generic: a `field,value` header and one
+    /// row per scalar of the JSON form, the field named by its path (`groups.0.cost_usd`).
+    fn render_csv(&self) -> String {
+        let value = serde_json::to_value(self).unwrap_or_else(|e| {
+            serde_json::Value::String(format!("cannot serialise the report: {e}"))
+        });
+        let mut out = String::from("field,value\n");
+        flatten_csv(&value, &mut String::new(), &mut out);
+        out
+    }
+}
+
+/// Appends one `path,value` CSV line per scalar of `v` (see [`Report::render_csv`]).
+fn flatten_csv(v: &serde_json::Value, path: &mut String, out: &mut String) {
+    use serde_json::Value;
+    let child = |key: &str, v: &Value, path: &mut String, out: &mut String| {
+        let len = path.len();
+        if !path.is_empty() {
+            path.push('.');
+        }
+        path.push_str(key);
+        flatten_csv(v, path, out);
+        path.truncate(len);
+    };
+    match v {
+        Value::Object(map) => map.iter().for_each(|(k, v)| child(k, v, path, out)),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .for_each(|(i, v)| child(&i.to_string(), v, path, out)),
+        scalar => {
+            let text = match scalar {
+                Value::Null => String::new(),
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            };
+            out.push_str(&csv_field(path));
+            out.push(',');
+            out.push_str(&csv_field(&text));
+            out.push('\n');
         }
     }
 }
 
-/// Exact nearest-rank percentile of `sorted` (ascending): `x_k`, `k = ⌈q·n⌉` (1 ≤ k ≤ n), the
-/// definition of the reports; `q` is taken in millionths so exact ranks have no
-/// floating-point off-by-one. Every analysis uses this one.
-pub fn nearest_rank<T: Copy>(sorted: &[T], q: f64) -> Option<T> {
-    if sorted.is_empty() {
-        return None;
+/// A CSV field, quoted when it holds a comma, a quote or a line break.
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_owned()
     }
-    let n = sorted.len();
-    let q_ppm = (q.clamp(0.0, 1.0) * 1e6).round() as u128;
-    let k = ((q_ppm * n as u128).div_ceil(1_000_000) as usize).clamp(1, n);
-    sorted.get(k - 1).copied()
 }
 
 /// Total tokens of a record (input + output; unknown counts as 0).
@@ -149,4 +154,38 @@ pub fn table(header: &[&str]) -> comfy_table::Table {
         .set_content_arrangement(comfy_table::ContentArrangement::Disabled)
         .set_header(header.iter().copied());
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Serialize)]
+    struct Demo {
+        name: &'static str,
+        rows: Vec<(u32, Option<f64>)>,
+    }
+
+    impl Report for Demo {
+        fn render_table(&self) -> String {
+            String::new()
+        }
+    }
+
+    #[test]
+    fn formats_and_generic_csv() {
+        assert_eq!(parse_format("json").expect("json"), Format::Json);
+        assert_eq!(
+            parse_format("csv").expect_err("csv").to_string(),
+            "format \"csv\": use table or json"
+        );
+        let d = Demo {
+            name: "a,b",
+            rows: vec![(1, Some(2.5)), (3, None)],
+        };
+        assert_eq!(
+            d.render(Format::Csv),
+            "field,value\nname,\"a,b\"\nrows.0.0,1\nrows.0.1,2.5\nrows.1.0,3\nrows.1.1,\n"
+        );
+    }
 }

@@ -26,7 +26,7 @@
 //! Invariants: pure (no clock, no I/O); tables sorted by name, lists by saving then key, so
 //! JSON is deterministic; O(n log n) (grouping with ordered maps, one sort per group).
 
-use crate::{table, total_tokens, PriceTable, Report, Window};
+use crate::{nearest_rank, table, total_tokens, PriceTable, Report, Window};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use tokenscope_core::{Outcome, RequestRecord};
@@ -173,11 +173,6 @@ pub struct WasteReport {
     pub request_types: Vec<RequestTypeWaste>,
     /// Total estimated saving.
     pub saving: Saving,
-}
-
-/// Nearest-rank percentile of sorted `v` (`q` in (0, 1]): [`crate::nearest_rank`].
-pub fn nearest_rank(sorted: &[u64], q: f64) -> Option<u64> {
-    crate::nearest_rank(sorted, q)
 }
 
 /// Rounds up to a multiple of 16 (0 stays 0... but at least 16).

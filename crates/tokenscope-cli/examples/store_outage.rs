@@ -288,15 +288,10 @@ struct Stats {
     dropped: f64,
 }
 
-/// Exact nearest rank: the `k`-th smallest with `k = ⌈q·n⌉` (q in parts per 100 000, so the
-/// product is exact), `1 ≤ k ≤ n`.
+/// Exact nearest rank (`tokenscope_core::query::nearest_rank`: the `k`-th smallest with
+/// `k = ⌈q·n⌉`, `1 ≤ k ≤ n`) of `q_per_100k` parts per 100 000; NaN without values.
 fn nearest_rank(sorted: &[f64], q_per_100k: u64) -> f64 {
-    let n = sorted.len() as u64;
-    if n == 0 {
-        return f64::NAN;
-    }
-    let k = (q_per_100k * n).div_ceil(100_000).clamp(1, n);
-    sorted[(k - 1) as usize]
+    tokenscope_core::query::nearest_rank(sorted, q_per_100k as f64 / 100_000.0).unwrap_or(f64::NAN)
 }
 
 /// `[P50, P99, P99.9]` of a sorted slice.

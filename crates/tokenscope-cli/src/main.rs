@@ -13,7 +13,7 @@ use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokenscope_gateway::{redact_url, Gateway, GatewayConfig, StoreTarget};
-use tokenscope_store::{render, run_report, Dimension, Format, ReportQuery, SqliteStore};
+use tokenscope_store::{render, Dimension, Format, ReportQuery};
 
 #[derive(Parser)]
 #[command(
@@ -323,24 +323,7 @@ fn report(args: ReportArgs) -> Result<()> {
         interval,
         filters,
     };
-    let rows = match StoreTarget::parse(&args.store) {
-        StoreTarget::ClickHouse(url) => {
-            let store = tokenscope_clickhouse::ClickHouseStore::connect_url(&url)
-                .with_context(|| format!("connecting to {}", redact_url(&url)))?;
-            store.report(&q)?
-        }
-        StoreTarget::Sqlite(path) => {
-            if !path.exists() {
-                bail!(
-                    "store {} does not exist (run `tokenscope serve` or `tokenscope demo` first)",
-                    path.display()
-                );
-            }
-            let store = SqliteStore::open_read_only(&path)
-                .with_context(|| format!("opening store {}", path.display()))?;
-            run_report(&store, &q)?
-        }
-    };
+    let rows = tokenscope_backend::open_reader(&StoreTarget::parse(&args.store))?.report(&q)?;
     print!("{}", render(&rows, &q, format));
     Ok(())
 }

@@ -30,6 +30,7 @@ use clickhouse::{Client, Compression};
 use tokenscope_core::RequestRecord;
 
 use crate::error::{error_code, ErrCtx};
+use crate::report::ch_string;
 use crate::row::{encode_row, LogRow};
 use crate::schema::{
     create_database, create_migrations_table, Dialect, MigrationContext, Target, INSERT_COLUMNS,
@@ -90,21 +91,6 @@ fn make_client(cfg: &ClickHouseConfig, addr: &str) -> Client {
         c = c.with_password(cfg.password.clone());
     }
     c
-}
-
-/// A SQL string literal: `'…'` with `\` and `'` escaped.
-pub(crate) fn quote(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('\'');
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\'' => out.push_str("\\'"),
-            c => out.push(c),
-        }
-    }
-    out.push('\'');
-    out
 }
 
 /// `YYYYMMDD` (UTC) of a Unix time in µs — the partition id of a row created then.
@@ -369,7 +355,7 @@ impl ClickHouseStore {
                     &format!(
                         "INSERT INTO {db}.{MIGRATIONS_TABLE} (version, applied_at, server_version) SELECT {}, now(), {}",
                         m.version,
-                        quote(&version)
+                        ch_string(&version)
                     ),
                 )?;
                 tracing::info!(
@@ -529,7 +515,7 @@ impl ClickHouseStore {
             "SELECT {} FROM {} FINAL WHERE request_id = {} ORDER BY row_version DESC LIMIT 1",
             INSERT_COLUMNS.join(", "),
             self.inner.cfg.table(),
-            quote(request_id)
+            ch_string(request_id)
         );
         let rows = self.fetch_rows(sql)?;
         rows.into_iter().next().map(LogRow::into_record).transpose()
@@ -566,7 +552,7 @@ impl ClickHouseStore {
     ) -> Result<Vec<(RequestRecord, u64)>, ClickHouseError> {
         let mut out = Vec::new();
         for chunk in trace_ids.chunks(TRACE_LOOKUP_CHUNK) {
-            let list: Vec<String> = chunk.iter().map(|t| quote(t)).collect();
+            let list: Vec<String> = chunk.iter().map(|t| ch_string(t)).collect();
             let sql = format!(
                 "SELECT {} FROM {} FINAL WHERE toYYYYMMDD(created_at) >= {} AND created_at_us >= {since_us} AND trace_id IN ({})",
                 INSERT_COLUMNS.join(", "),
@@ -616,8 +602,8 @@ impl ClickHouseStore {
         for client in nodes {
             let sql = format!(
                 "SELECT DISTINCT partition FROM system.parts WHERE database = {} AND table = {} AND active",
-                quote(db),
-                quote(table)
+                ch_string(db),
+                ch_string(table)
             );
             let parts: Vec<String> = self.fetch_all_on::<String>(&client, sql)?;
             for p in parts {
@@ -719,10 +705,5 @@ mod tests {
         assert_eq!(utc_day(1_704_672_000_000_000 - 1), 20_240_107);
         assert_eq!(utc_day(951_782_400_000_000), 20_000_229); // leap day 2000-02-29
         assert_eq!(utc_day(-1), 19_691_231);
-    }
-
-    #[test]
-    fn quoting() {
-        assert_eq!(quote("a'b\\c"), "'a\\'b\\\\c'");
     }
 }

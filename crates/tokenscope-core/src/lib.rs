@@ -10,6 +10,10 @@
 //! * [`openai`] — reading OpenAI-compatible request and response bodies (usage, model, finish
 //!   reason, llama.cpp `timings`), and the `include_usage` rewrite.
 //! * [`prompt`] — prompt normalisation and hashing for duplicate detection.
+//! * [`query`] — the read side's vocabulary: [`Window`], [`Dimension`], [`Format`] and the one
+//!   nearest-rank percentile ([`nearest_rank`]). With the `clap` feature, `Dimension` and
+//!   `Format` are `clap::ValueEnum`s.
+//! * [`redact`] — [`redact_url`]: a URL without its password, for logs.
 //!
 //! Invariants:
 //! * TPOT is `(t_last − t_first) / (n_out − 1)` and only exists for `n_out ≥ 2`.
@@ -20,12 +24,16 @@
 
 pub mod openai;
 pub mod prompt;
+pub mod query;
 pub mod record;
+pub mod redact;
 pub mod sse;
 pub mod timing;
 pub mod w3c;
 
+pub use query::{nearest_rank, nearest_rank_index, Dimension, Format, InvalidQuery, Window};
 pub use record::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
 };
+pub use redact::redact_url;
 pub use timing::StreamTimer;

@@ -299,18 +299,14 @@ pub fn seed_from_store(
     let spawned = std::thread::Builder::new()
         .name("tokenscope-budget-seed".into())
         .spawn(move || {
-            let records: Result<Vec<RequestRecord>, String> = match &target {
-                crate::StoreTarget::Sqlite(path) => {
-                    tokenscope_store::SqliteStore::open_read_only(path)
-                        .and_then(|db| db.records_between(since, until))
-                        .map_err(|e| e.to_string())
-                }
-                crate::StoreTarget::ClickHouse(url) => {
-                    tokenscope_clickhouse::ClickHouseStore::connect_url(url)
-                        .and_then(|ch| ch.records_between(since, until))
-                        .map_err(|e| e.to_string())
-                }
-            };
+            let records: Result<Vec<RequestRecord>, String> =
+                tokenscope_backend::open_reader(&target)
+                    .map_err(|e| e.detail())
+                    .and_then(|reader| {
+                        reader
+                            .records_between(tokenscope_core::query::Window::new(since, until))
+                            .map_err(|e| e.to_string())
+                    });
             match records {
                 Ok(records) => {
                     for mut r in records {

@@ -35,6 +35,10 @@ mod upconn;
 
 pub use config::{ConfigError, DurationSetting, GatewayConfig, TracingSection, UpstreamConfig};
 pub use proxy::{REQUEST_ID, TRACE_ID};
+/// The store setting and its backends live in `tokenscope-backend`; re-exported for callers.
+pub use tokenscope_backend::StoreTarget;
+/// Moved to `tokenscope-core`; re-exported so `crate::redact_url` and callers keep working.
+pub use tokenscope_core::redact_url;
 
 use axum::routing::{any, post};
 use axum::Router;
@@ -49,14 +53,15 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use tokenscope_backend::open_sink;
 use tokenscope_core::{PhaseUpdate, RequestRecord};
 use tokenscope_engine_state::{
     EngineStateHandle, EngineTarget, GpuConfig, GpuStateHandle, KindHint, ScrapeConfig,
 };
 use tokenscope_store::{
     spawn_pipeline, spawn_pipeline_with_spool, DropReason, ErrorClass, LossReason, PipelineConfig,
-    PipelineHandle, PipelineObserver, RecordSink, Recorder, ShutdownReport, Spool, SpoolConfig,
-    SpoolState, SqliteStore, StoreError,
+    PipelineHandle, PipelineObserver, Recorder, ShutdownReport, Spool, SpoolConfig, SpoolState,
+    StoreError,
 };
 use tokenscope_telemetry::{Metrics, MetricsConfig, UserLabelMode};
 
@@ -387,171 +392,6 @@ impl PipelineObserver for MetricsObserver {
     ) {
         self.0
             .engine_update_unmatched(&format!("{reason:?}").to_ascii_lowercase(), updates);
-    }
-}
-
-/// Where records are stored, from the `store` setting.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StoreTarget {
-    /// The embedded SQLite file.
-    Sqlite(std::path::PathBuf),
-    /// A ClickHouse server or cluster (the `clickhouse://` URL).
-    ClickHouse(String),
-}
-
-impl StoreTarget {
-    /// `clickhouse://…` → ClickHouse; `sqlite://PATH` or a plain path → SQLite.
-    pub fn parse(s: &str) -> Self {
-        if s.starts_with("clickhouse://") {
-            StoreTarget::ClickHouse(s.to_owned())
-        } else {
-            StoreTarget::Sqlite(s.strip_prefix("sqlite://").unwrap_or(s).into())
-        }
-    }
-
-    /// The spool directory used unless `[spool] dir` says otherwise.
-    pub fn default_spool_dir(&self) -> std::path::PathBuf {
-        match self {
-            StoreTarget::Sqlite(p) => {
-                let mut s = p.clone().into_os_string();
-                s.push(".spool");
-                s.into()
-            }
-            StoreTarget::ClickHouse(_) => "./tokenscope-spool".into(),
-        }
-    }
-
-    /// The location without credentials, for logs.
-    pub fn display(&self) -> String {
-        match self {
-            StoreTarget::Sqlite(p) => p.display().to_string(),
-            StoreTarget::ClickHouse(url) => redact_url(url),
-        }
-    }
-}
-
-/// `scheme://user:secret@host…` → `scheme://user:***@host…` (never log a password).
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let (auth_end, _) = rest
-        .char_indices()
-        .find(|(_, c)| *c == '/' || *c == '?')
-        .unwrap_or((rest.len(), ' '));
-    match rest[..auth_end].rfind('@') {
-        Some(at) => {
-            let user = rest[..at].split(':').next().unwrap_or("");
-            format!("{scheme}://{user}:***@{}", &rest[at + 1..])
-        }
-        None => url.to_owned(),
-    }
-}
-
-/// Opens the configured store as a record sink (creating / migrating its schema).
-fn open_sink(target: &StoreTarget) -> Result<Box<dyn RecordSink>, StoreError> {
-    match target {
-        StoreTarget::Sqlite(path) => Ok(Box::new(SqliteStore::open(path)?)),
-        StoreTarget::ClickHouse(url) => {
-            // A malformed URL is a configuration error: refuse to start.
-            let cfg = tokenscope_clickhouse::ClickHouseConfig::from_url(url)?;
-            let mut sink = LazyClickHouse {
-                cfg,
-                url: redact_url(url),
-                inner: None,
-                next_sweep: std::time::Instant::now(),
-            };
-            // A server that is down (or refuses us) at startup must not stop the gateway:
-            // records spool until it answers.
-            if let Err(e) = sink.ready() {
-                tracing::warn!(store = %sink.url, error = %e, "ClickHouse is not usable at startup; serving anyway, records go to the spool until it is");
-            }
-            Ok(Box::new(sink))
-        }
-    }
-}
-
-/// The ClickHouse sink, connected (and the schema migrated) on first use and again after a
-/// failed connection, so that a store that is down when the gateway starts only delays the
-/// writes (they wait in the spool).
-struct LazyClickHouse {
-    cfg: tokenscope_clickhouse::ClickHouseConfig,
-    /// Redacted, for logs.
-    url: String,
-    inner: Option<tokenscope_clickhouse::ClickHouseSink>,
-    /// When retention (`ttl_days`) is next enforced by dropping old daily partitions (servers
-    /// without `TTL`; a no-op safety net on those with it). Hourly, on the writer thread.
-    next_sweep: std::time::Instant,
-}
-
-impl LazyClickHouse {
-    /// Drops partitions past `ttl_days` once an hour (never fails the write).
-    fn sweep_if_due(&mut self) {
-        let now = std::time::Instant::now();
-        if self.cfg.ttl_days.is_none() || now < self.next_sweep {
-            return;
-        }
-        self.next_sweep = now + Duration::from_secs(3600);
-        if let Some(sink) = self.inner.as_ref() {
-            match sink.store().retention_sweep() {
-                Ok(0) => {}
-                Ok(n) => {
-                    tracing::info!(store = %self.url, partitions = n, "retention: dropped old daily partitions")
-                }
-                Err(e) => {
-                    tracing::warn!(store = %self.url, error = %e, "retention sweep failed; retried in an hour")
-                }
-            }
-        }
-    }
-
-    fn ready(&mut self) -> Result<&mut tokenscope_clickhouse::ClickHouseSink, StoreError> {
-        if self.inner.is_none() {
-            let store = tokenscope_clickhouse::ClickHouseStore::connect(self.cfg.clone())?;
-            let version = store.migrate()?;
-            tracing::info!(
-                store = %self.url,
-                server_version = store.server_version(),
-                schema_version = version,
-                "ClickHouse store ready"
-            );
-            self.inner = Some(tokenscope_clickhouse::ClickHouseSink::new(store));
-        }
-        self.inner.as_mut().ok_or_else(|| StoreError::Sink {
-            sink: "clickhouse",
-            class: ErrorClass::Other,
-            message: "not connected".to_owned(),
-        })
-    }
-}
-
-impl RecordSink for LazyClickHouse {
-    fn write_batch(&mut self, batch: &[RequestRecord]) -> Result<(), StoreError> {
-        self.ready()?.write_batch(batch)?;
-        self.sweep_if_due();
-        Ok(())
-    }
-
-    fn apply_updates(&mut self, updates: &[PhaseUpdate]) -> Result<(), StoreError> {
-        self.ready()?.apply_updates(updates)
-    }
-
-    fn take_unmatched(&mut self, shutting_down: bool) -> tokenscope_store::UnmatchedCounts {
-        self.inner
-            .as_mut()
-            .map(|s| s.take_unmatched(shutting_down))
-            .unwrap_or_default()
-    }
-
-    fn take_recovered(&mut self) -> Vec<StoreError> {
-        self.inner
-            .as_mut()
-            .map(|s| s.take_recovered())
-            .unwrap_or_default()
-    }
-
-    fn name(&self) -> &'static str {
-        "clickhouse"
     }
 }
 

@@ -15,7 +15,14 @@
 //!   until the row is inserted.
 //! * [`report`] — grouped reports with **exact** nearest-rank percentiles (TTFT, TPOT,
 //!   end-to-end, engine queue / prefill / decode), the queue share of TTFT, success rate, QPS
-//!   and token sums, rendered as a table, JSON or CSV.
+//!   and token sums, rendered as a table, JSON or CSV. The aggregation ([`Scanner`]) is
+//!   store-independent; other stores feed it rows read in their own dialect.
+//! * [`read`] — [`RecordReader`]: the one read interface (records of a window, a report) that
+//!   every store implements ([`SqliteStore`] here, ClickHouse in `tokenscope-clickhouse`).
+//!
+//! The read side's vocabulary (`Window`, [`Dimension`], [`Format`], the nearest-rank
+//! percentile) lives in `tokenscope_core::query`; [`Dimension`], [`Format`] and [`NONE_LABEL`]
+//! are re-exported here.
 //!
 //! Invariants:
 //! * The request path never performs I/O, never blocks and never awaits on the store: it only
@@ -29,6 +36,7 @@
 pub mod error;
 pub mod pending;
 pub mod pipeline;
+pub mod read;
 pub mod report;
 pub mod spool;
 pub mod sqlite;
@@ -41,9 +49,10 @@ pub use pipeline::{
     PipelineConfig, PipelineHandle, PipelineObserver, RecordSink, Recorder, ShutdownReport,
     SpoolState,
 };
+pub use read::RecordReader;
 pub use report::{
-    clickhouse_select, render, run_report, run_report_on, run_report_threads, ColKind, Dimension,
-    Format, Quantiles, ReportQuery, ReportRow, ReportSelect, ScanValue, Scanner, NONE_LABEL,
+    render, run_report, run_report_on, run_report_threads, ColKind, Dimension, FilterValue, Format,
+    Quantiles, ReportQuery, ReportRow, ScanValue, Scanner, NONE_LABEL,
 };
 pub use spool::{Append, Spool, SpoolConfig, SpoolEntry, SpoolError};
 pub use sqlite::{FileChange, SqliteStore};

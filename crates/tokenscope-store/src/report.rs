@@ -68,10 +68,12 @@
 //! ## Other stores
 //!
 //! The aggregation is store-independent: [`Scanner`] takes the report SELECT's rows as
-//! [`ScanValue`]s. The embedded store feeds it from SQLite; an external store (ClickHouse)
-//! runs [`clickhouse_select`] — the same columns, range and filters in its dialect — decodes
-//! each row per [`ReportSelect::kinds`] and feeds the same scanner, so both stores give
-//! identical reports for the same records.
+//! [`ScanValue`]s. The embedded store feeds it from SQLite; an external store
+//! (`tokenscope_clickhouse`) runs the same columns, range and filters in its own dialect
+//! (built from [`validate`], [`filter_value`] and [`Dimension::column`]), decodes each row per
+//! [`ColKind`] and feeds the same scanner, so both stores give identical reports for the same
+//! records. The vocabulary ([`Dimension`], [`Format`], the nearest-rank definition) is
+//! `tokenscope_core::query`'s, re-exported here.
 //!
 //! ## Performance
 //!
@@ -80,10 +82,8 @@
 //! per-group `Vec<f64>`s and quantiles are taken with `select_nth_unstable_by` (linear time).
 
 use std::collections::HashMap;
-use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::path::Path;
-use std::str::FromStr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use comfy_table::{presets, Cell, CellAlignment, ContentArrangement, Table};
@@ -91,101 +91,12 @@ use rusqlite::types::ValueRef;
 use rusqlite::Connection;
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
+use tokenscope_core::query::nearest_rank_index;
+pub use tokenscope_core::query::{Dimension, Format, NONE_LABEL};
 use tokenscope_core::{InputBucket, Outcome};
 
 use crate::sqlite::{parse_endpoint, parse_input_bucket, TABLE};
 use crate::{SqliteStore, StoreError};
-
-/// How a `NULL` dimension value is shown, and the filter value that selects it.
-pub const NONE_LABEL: &str = "(none)";
-
-/// A grouping / filtering dimension.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Dimension {
-    /// `model` (as requested by the client).
-    Model,
-    /// `input_bucket` (`0-128`, `128-512`, `512-2048`, `2048+`).
-    InputBucket,
-    /// `user_id`.
-    User,
-    /// `tenant`.
-    Tenant,
-    /// `business_line`.
-    BusinessLine,
-    /// `request_type`.
-    RequestType,
-    /// `outcome` (`ok`, `client_error`, `upstream_error`, `timeout`, `cancelled`).
-    Status,
-    /// `endpoint` (`chat_completions`, `completions`, `embeddings`).
-    Endpoint,
-    /// `upstream`.
-    Upstream,
-    /// `stream` (`true` / `false`).
-    Stream,
-    /// `engine` (the adapter that read the response: `llamacpp`, `vllm`, …).
-    Engine,
-    /// `kv_band`: the band of `engine_kv_usage` at arrival (see [`kv_band`]).
-    KvUsageBand,
-    /// `gpu_band`: the band of `gpu_utilization` at arrival (same bands as [`kv_band`]).
-    GpuBand,
-}
-
-impl Dimension {
-    /// Every dimension.
-    pub const ALL: [Dimension; 13] = [
-        Dimension::Model,
-        Dimension::InputBucket,
-        Dimension::User,
-        Dimension::Tenant,
-        Dimension::BusinessLine,
-        Dimension::RequestType,
-        Dimension::Status,
-        Dimension::Endpoint,
-        Dimension::Upstream,
-        Dimension::Stream,
-        Dimension::Engine,
-        Dimension::KvUsageBand,
-        Dimension::GpuBand,
-    ];
-
-    /// The name accepted by [`FromStr`] and used as the output field name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Dimension::Model => "model",
-            Dimension::InputBucket => "input_bucket",
-            Dimension::User => "user",
-            Dimension::Tenant => "tenant",
-            Dimension::BusinessLine => "business_line",
-            Dimension::RequestType => "request_type",
-            Dimension::Status => "status",
-            Dimension::Endpoint => "endpoint",
-            Dimension::Upstream => "upstream",
-            Dimension::Stream => "stream",
-            Dimension::Engine => "engine",
-            Dimension::KvUsageBand => "kv_band",
-            Dimension::GpuBand => "gpu_band",
-        }
-    }
-
-    /// The `llm_inference_log` column behind the dimension.
-    pub fn column(self) -> &'static str {
-        match self {
-            Dimension::Model => "model",
-            Dimension::InputBucket => "input_bucket",
-            Dimension::User => "user_id",
-            Dimension::Tenant => "tenant",
-            Dimension::BusinessLine => "business_line",
-            Dimension::RequestType => "request_type",
-            Dimension::Status => "outcome",
-            Dimension::Endpoint => "endpoint",
-            Dimension::Upstream => "upstream",
-            Dimension::Stream => "stream",
-            Dimension::Engine => "engine",
-            Dimension::KvUsageBand => "engine_kv_usage",
-            Dimension::GpuBand => "gpu_utilization",
-        }
-    }
-}
 
 /// The `kv_band` labels, lowest first.
 pub const KV_BANDS: [&str; 4] = ["0-50%", "50-80%", "80-95%", "95-100%"];
@@ -210,34 +121,10 @@ pub fn kv_band(usage: Option<f64>) -> &'static str {
         .map_or(NONE_LABEL, |i| KV_BANDS[i])
 }
 
-impl fmt::Display for Dimension {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Dimension {
-    type Err = StoreError;
-
-    /// Accepts the [`Dimension::as_str`] names (case-insensitive, `-` or `_`), plus the column
-    /// names `user_id`, `outcome` and `engine_kv_usage`, and `kv_usage_band`.
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let norm = s.trim().to_ascii_lowercase().replace('-', "_");
-        let alias = match norm.as_str() {
-            "user_id" => Some(Dimension::User),
-            "outcome" => Some(Dimension::Status),
-            "engine_kv_usage" | "kv_usage_band" | "kv_usage" => Some(Dimension::KvUsageBand),
-            "gpu_utilization" | "gpu_util" => Some(Dimension::GpuBand),
-            _ => None,
-        };
-        alias
-            .or_else(|| Dimension::ALL.into_iter().find(|d| d.as_str() == norm))
-            .ok_or_else(|| {
-                StoreError::InvalidQuery(format!(
-                    "unknown dimension {s:?}; expected one of {}",
-                    Dimension::ALL.map(Dimension::as_str).join(", ")
-                ))
-            })
+/// A bad dimension or format name is an invalid report query.
+impl From<tokenscope_core::query::InvalidQuery> for StoreError {
+    fn from(e: tokenscope_core::query::InvalidQuery) -> Self {
+        StoreError::InvalidQuery(e.0)
     }
 }
 
@@ -281,10 +168,10 @@ impl Quantiles {
             return Self::default();
         }
         let ks = [
-            nearest_rank(n, 0.50) - 1,
-            nearest_rank(n, 0.90) - 1,
-            nearest_rank(n, 0.95) - 1,
-            nearest_rank(n, 0.99) - 1,
+            nearest_rank_index(n, 0.50) - 1,
+            nearest_rank_index(n, 0.90) - 1,
+            nearest_rank_index(n, 0.95) - 1,
+            nearest_rank_index(n, 0.99) - 1,
         ];
         let mut out = [0.0; 4];
         let mut lo = 0;
@@ -339,14 +226,6 @@ impl ExactSum {
     }
 }
 
-/// The 1-based nearest rank `k = ⌈q·n⌉` (at least 1, at most `n`) of quantile `q ∈ (0, 1]`
-/// among `n ≥ 1` values. `q` is taken in millionths, so `q·n` is exact.
-pub fn nearest_rank(n: usize, q: f64) -> usize {
-    let q_ppm = (q.clamp(0.0, 1.0) * 1e6).round() as u128;
-    let k = (q_ppm * n as u128).div_ceil(1_000_000);
-    (k as usize).clamp(1, n.max(1))
-}
-
 /// One output row: one group in one time bucket.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReportRow {
@@ -383,33 +262,6 @@ pub struct ReportRow {
     pub output_tokens: u64,
     /// Sum of `cached_tokens`.
     pub cached_tokens: u64,
-}
-
-/// Output format of [`render`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Format {
-    /// Human-readable table.
-    #[default]
-    Table,
-    /// JSON array of flat objects.
-    Json,
-    /// CSV with a header row.
-    Csv,
-}
-
-impl FromStr for Format {
-    type Err = StoreError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "table" => Ok(Format::Table),
-            "json" => Ok(Format::Json),
-            "csv" => Ok(Format::Csv),
-            other => Err(StoreError::InvalidQuery(format!(
-                "unknown format {other:?}; expected table, json or csv"
-            ))),
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -691,7 +543,9 @@ fn tokens(v: ScanValue<'_>) -> u64 {
     }
 }
 
-fn validate(q: &ReportQuery) -> Result<(), StoreError> {
+/// Checks a query before it runs: `until` after `since`, an interval of at least 1 µs, no
+/// dimension grouped twice. Every store's report path calls it.
+pub fn validate(q: &ReportQuery) -> Result<(), StoreError> {
     if let Some(until) = q.until_us {
         if until <= q.since_us {
             return Err(StoreError::InvalidQuery(format!(
@@ -717,15 +571,23 @@ fn validate(q: &ReportQuery) -> Result<(), StoreError> {
     Ok(())
 }
 
-enum FilterValue {
+/// A filter's value, normalised for SQL (the same for every store's dialect).
+#[derive(Debug, Clone, PartialEq)]
+pub enum FilterValue {
+    /// `column IS NULL` (the filter value [`NONE_LABEL`]).
     Null,
+    /// `column = 'text'`.
     Text(String),
+    /// `column = n` (`stream`).
     Int(i64),
     /// `lo <= column < hi`, either bound optional (and never NULL).
     Range(Option<f64>, Option<f64>),
 }
 
-fn filter_value(dim: Dimension, raw: &str) -> Result<FilterValue, StoreError> {
+/// The SQL value of the filter `dim = raw`: `(none)` selects `NULL`; `stream`, `status`,
+/// `input_bucket`, `endpoint` and the bands are checked and normalised; any other text is
+/// compared as is.
+pub fn filter_value(dim: Dimension, raw: &str) -> Result<FilterValue, StoreError> {
     if raw == NONE_LABEL {
         return Ok(FilterValue::Null);
     }
@@ -877,103 +739,10 @@ pub enum ColKind {
     Text,
 }
 
-/// A report's SELECT for an external store (ClickHouse dialect), with literals inlined, and
-/// the kind of each selected column, in order. Feed every result row, decoded per
-/// [`ReportSelect::kinds`], to a [`Scanner`] built from the same query.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ReportSelect {
-    /// The complete `SELECT … FROM … FINAL WHERE …` (no `FORMAT` clause).
-    pub sql: String,
-    /// Kind of each column.
-    pub kinds: Vec<ColKind>,
-}
-
-/// The ClickHouse form of the report query over `table` (a `ReplacingMergeTree`, read with
-/// `FINAL`), where the record's `created_at` (µs) is the column `created_at_us` and every other
-/// column has the SQLite name. Same columns, same order and same filter semantics as the
-/// embedded store's query, so the same [`Scanner`] gives identical rows.
-pub fn clickhouse_select(q: &ReportQuery, table: &str) -> Result<ReportSelect, StoreError> {
-    validate(q)?;
-    let mut cols: Vec<(String, ColKind)> = vec![
-        ("toInt64(outcome = 'ok')".to_owned(), ColKind::Int),
-        ("ttft_ms".to_owned(), ColKind::Real),
-        ("tpot_ms".to_owned(), ColKind::Real),
-        ("total_duration_ms".to_owned(), ColKind::Real),
-        ("input_tokens".to_owned(), ColKind::Int),
-        ("output_tokens".to_owned(), ColKind::Int),
-        ("cached_tokens".to_owned(), ColKind::Int),
-        ("queue_duration_ms".to_owned(), ColKind::Real),
-        ("prefill_duration_ms".to_owned(), ColKind::Real),
-        ("decode_duration_ms".to_owned(), ColKind::Real),
-    ];
-    if q.interval.is_some() {
-        cols.push(("created_at_us".to_owned(), ColKind::Int));
-    }
-    for d in &q.group_by {
-        let kind = match d {
-            Dimension::Stream => ColKind::Int,
-            Dimension::KvUsageBand | Dimension::GpuBand => ColKind::Real,
-            _ => ColKind::Text,
-        };
-        cols.push((d.column().to_owned(), kind));
-    }
-    let mut sql = String::from("SELECT ");
-    sql.push_str(
-        &cols
-            .iter()
-            .map(|(c, _)| c.as_str())
-            .collect::<Vec<_>>()
-            .join(", "),
-    );
-    sql.push_str(&format!(
-        " FROM {table} FINAL WHERE created_at_us >= {}",
-        q.since_us
-    ));
-    if let Some(until) = q.until_us {
-        sql.push_str(&format!(" AND created_at_us < {until}"));
-    }
-    for (d, raw) in &q.filters {
-        let c = d.column();
-        match filter_value(*d, raw)? {
-            FilterValue::Null => sql.push_str(&format!(" AND isNull({c})")),
-            FilterValue::Text(t) => sql.push_str(&format!(" AND {c} = {}", ch_string(&t))),
-            FilterValue::Int(i) => sql.push_str(&format!(" AND {c} = {i}")),
-            FilterValue::Range(lo, hi) => {
-                sql.push_str(&format!(" AND isNotNull({c})"));
-                if let Some(lo) = lo {
-                    sql.push_str(&format!(" AND {c} >= {lo:?}"));
-                }
-                if let Some(hi) = hi {
-                    sql.push_str(&format!(" AND {c} < {hi:?}"));
-                }
-            }
-        }
-    }
-    Ok(ReportSelect {
-        sql,
-        kinds: cols.into_iter().map(|(_, k)| k).collect(),
-    })
-}
-
-/// A ClickHouse string literal: single-quoted, with `\` and `'` escaped.
-pub fn ch_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('\'');
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\'' => out.push_str("\\'"),
-            _ => out.push(c),
-        }
-    }
-    out.push('\'');
-    out
-}
-
 /// Accumulates report rows from any store. Build it from the query, [`push`](Scanner::push)
 /// each row of the report SELECT (columns: `outcome = 'ok'` as 0/1, ttft, tpot, total,
 /// input, output, cached, queue, prefill, decode, [`created_at` µs only with an interval],
-/// then one column per `group_by` dimension — exactly [`clickhouse_select`]'s columns), then
+/// then one column per `group_by` dimension — the columns of every store's report SELECT), then
 /// [`finish`](Scanner::finish). Rows must already satisfy the query's range and filters.
 pub struct Scanner {
     interval_us: Option<i64>,
@@ -2107,38 +1876,6 @@ mod tests {
     }
 
     #[test]
-    fn clickhouse_select_text() {
-        let mut q = q(vec![Dimension::User, Dimension::KvUsageBand]);
-        q.since_us = 5;
-        q.until_us = Some(10);
-        q.filters = vec![
-            (Dimension::Model, "it's\\x".to_owned()),
-            (Dimension::Tenant, NONE_LABEL.to_owned()),
-            (Dimension::GpuBand, "50-80%".to_owned()),
-            (Dimension::Stream, "true".to_owned()),
-        ];
-        let sel = clickhouse_select(&q, "db.llm_inference_log").expect("select");
-        assert_eq!(
-            sel.sql,
-            "SELECT toInt64(outcome = 'ok'), ttft_ms, tpot_ms, total_duration_ms, input_tokens, \
-             output_tokens, cached_tokens, queue_duration_ms, prefill_duration_ms, \
-             decode_duration_ms, user_id, engine_kv_usage FROM db.llm_inference_log FINAL WHERE \
-             created_at_us >= 5 AND created_at_us < 10 AND model = 'it\\'s\\\\x' AND \
-             isNull(tenant) AND isNotNull(gpu_utilization) AND gpu_utilization >= 0.5 AND \
-             gpu_utilization < 0.8 AND stream = 1"
-        );
-        assert_eq!(sel.kinds.len(), 12);
-        assert_eq!(sel.kinds[10], ColKind::Text);
-        assert_eq!(sel.kinds[11], ColKind::Real);
-        q.interval = Some(Duration::from_secs(60));
-        let sel = clickhouse_select(&q, "t").expect("select");
-        assert!(sel
-            .sql
-            .contains("decode_duration_ms, created_at_us, user_id"));
-        assert_eq!(sel.kinds[10], ColKind::Int);
-    }
-
-    #[test]
     fn kv_band_boundaries() {
         let cases = [
             (-0.1, "0-50%"),
@@ -2337,13 +2074,7 @@ mod tests {
 
     #[test]
     fn nearest_rank_definition() {
-        assert_eq!(nearest_rank(4, 0.5), 2);
-        assert_eq!(nearest_rank(100, 0.99), 99);
-        assert_eq!(nearest_rank(101, 0.99), 100);
-        assert_eq!(nearest_rank(1, 0.99), 1);
-        assert_eq!(nearest_rank(10, 0.9), 9);
-        assert_eq!(nearest_rank(20, 0.95), 19);
-        assert_eq!(nearest_rank(3, 0.0), 1);
+        // The rank itself is tested with its definition (`tokenscope_core::query`).
         let mut v = [4.0, 1.0, 3.0, 2.0];
         let qs = Quantiles::from_values(&mut v);
         assert_eq!(

@@ -5,7 +5,7 @@
 use super::{CommonArgs, Input};
 use anyhow::Result;
 use clap::Args;
-use tokenscope_analysis::cost::{analyze, Dimension};
+use tokenscope_analysis::cost::{analyze, parse_dimensions};
 use tokenscope_analysis::Report;
 
 /// `tokenscope cost` options.
@@ -22,7 +22,7 @@ pub struct CostArgs {
 
 /// Runs the command.
 pub fn run(args: CostArgs) -> Result<()> {
-    let by = Dimension::parse_list(&args.by)?;
+    let by = parse_dimensions(&args.by)?;
     let input = Input::load(&args.common)?;
     let previous_window = input.window.previous();
     let previous = input.load_window(previous_window)?;

@@ -16,9 +16,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use tokenscope_analysis::{Format, PriceTable, Window};
+use tokenscope_backend::{open_reader, StoreTarget};
 use tokenscope_core::RequestRecord;
-use tokenscope_gateway::{redact_url, GatewayConfig, StoreTarget};
-use tokenscope_store::SqliteStore;
+use tokenscope_gateway::GatewayConfig;
 
 /// Options every analysis command takes.
 #[derive(Args, Debug, Clone)]
@@ -71,7 +71,7 @@ impl Input {
         }
         let window = Window { since_us, until_us };
         let config = GatewayConfig::load(args.config.as_deref())?;
-        let format: Format = args.format.parse()?;
+        let format: Format = tokenscope_analysis::parse_format(&args.format)?;
         let records = load_records(&args.store, window)?;
         Ok(Self {
             window,
@@ -97,22 +97,6 @@ impl Input {
 /// Every record of `window` from the store named by `store` (a SQLite path or a
 /// `clickhouse://` URL), ordered by `created_at`, `request_id`.
 pub fn load_records(store: &str, window: Window) -> Result<Vec<RequestRecord>> {
-    match StoreTarget::parse(store) {
-        StoreTarget::ClickHouse(url) => {
-            let ch = tokenscope_clickhouse::ClickHouseStore::connect_url(&url)
-                .with_context(|| format!("connecting to {}", redact_url(&url)))?;
-            Ok(ch.records_between(window.since_us, window.until_us)?)
-        }
-        StoreTarget::Sqlite(path) => {
-            if !path.exists() {
-                bail!(
-                    "store {} does not exist (run `tokenscope serve` or `tokenscope demo` first)",
-                    path.display()
-                );
-            }
-            let db = SqliteStore::open_read_only(&path)
-                .with_context(|| format!("opening store {}", path.display()))?;
-            Ok(db.records_between(window.since_us, window.until_us)?)
-        }
-    }
+    let reader = open_reader(&StoreTarget::parse(store))?;
+    Ok(reader.records_between(window)?)
 }

@@ -6,8 +6,9 @@
 //!   when the response reports it, else the number of output-bearing events.
 //! * ITL = every gap between consecutive output-bearing events (all requests of a level pooled).
 //! * e2e = request sent → end of the response body.
-//! * Percentiles are nearest-rank: P(q) = x_k, k = ⌈q·n⌉ (`tokenscope_analysis::diagnose::
-//!   percentile`, the same function the analyses use), over the level's successful requests.
+//! * Percentiles are nearest-rank: P(q) = x_k, k = ⌈q·n⌉ (`tokenscope_core::query::
+//!   nearest_rank`, the one definition the report and the analyses use), over the level's
+//!   successful requests.
 //!
 //! ## Invariants
 //!
@@ -25,7 +26,7 @@
 
 use serde::Serialize;
 use std::time::Duration;
-use tokenscope_analysis::diagnose::percentile;
+use tokenscope_core::query::nearest_rank as percentile;
 
 /// Achieved QPS below this fraction of the offered rate breaches.
 pub const MIN_ACHIEVED_FRACTION: f64 = 0.9;

@@ -5,7 +5,7 @@
 //! * A record belongs to the window `[since, until)` by its `created_at` (request start, Unix
 //!   µs), and to the time bucket `⌊(created_at − since) / step⌋`; the buckets tile the window.
 //! * Percentiles are exact nearest-rank over the records that have the value
-//!   ([`tokenscope_analysis::nearest_rank`], the definition of `tokenscope report`); means and
+//!   ([`tokenscope_core::query::nearest_rank`], the definition of `tokenscope report`); means and
 //!   rates are plain sums over the same records. A bucket or summary without a value is `null`,
 //!   never 0.
 //! * Rates are per second of the window (or bucket), not of the span the records happen to
@@ -15,6 +15,7 @@
 
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
+use tokenscope_core::query::{nearest_rank, Window};
 use tokenscope_core::{InputBucket, Outcome, RequestRecord};
 
 /// A dashboard time range.
@@ -93,18 +94,16 @@ impl Filters {
     }
 }
 
-/// The window of one page: `[since_us, until_us)` and its bucket step.
+/// The window of one page: its span `[since_us, until_us)` and its bucket step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Window {
-    /// Start, Unix µs (inclusive).
-    pub since_us: i64,
-    /// End, Unix µs (exclusive).
-    pub until_us: i64,
+pub struct PageWindow {
+    /// The time range, Unix µs.
+    pub span: Window,
     /// Bucket width, µs.
     pub step_us: i64,
 }
 
-impl Window {
+impl PageWindow {
     /// The window of `range` ending at `until_us`. The end is aligned up to a whole step so
     /// that successive refreshes keep the same bucket boundaries.
     pub fn ending_at(range: Range, until_us: i64) -> Self {
@@ -115,33 +114,32 @@ impl Window {
             } else {
                 step_us
             };
-        Window {
-            since_us: until_us - range.seconds() * 1_000_000,
-            until_us,
+        PageWindow {
+            span: Window::new(until_us - range.seconds() * 1_000_000, until_us),
             step_us,
         }
     }
 
-    fn contains(&self, created_at: i64) -> bool {
-        created_at >= self.since_us && created_at < self.until_us
+    /// The trailing `secs` seconds of this window, same step.
+    fn trailing(&self, secs: i64) -> Self {
+        PageWindow {
+            span: Window::new(self.span.until_us - secs * 1_000_000, self.span.until_us),
+            step_us: self.step_us,
+        }
     }
 
     fn buckets(&self) -> usize {
-        ((self.until_us - self.since_us) / self.step_us).max(1) as usize
+        (self.span.len_us() / self.step_us).max(1) as usize
     }
 
     fn bucket(&self, created_at: i64) -> usize {
-        ((created_at - self.since_us) / self.step_us) as usize
-    }
-
-    fn seconds(&self) -> f64 {
-        (self.until_us - self.since_us) as f64 / 1e6
+        ((created_at - self.span.since_us) / self.step_us) as usize
     }
 
     /// Bucket start times, Unix seconds.
     fn times(&self) -> Vec<f64> {
         (0..self.buckets())
-            .map(|i| (self.since_us + i as i64 * self.step_us) as f64 / 1e6)
+            .map(|i| (self.span.since_us + i as i64 * self.step_us) as f64 / 1e6)
             .collect()
     }
 }
@@ -160,7 +158,7 @@ pub struct Quantiles {
 impl Quantiles {
     fn of(mut values: Vec<f64>) -> Self {
         values.sort_by(f64::total_cmp);
-        let q = |p| tokenscope_analysis::nearest_rank(&values, p);
+        let q = |p| nearest_rank(&values, p);
         Quantiles {
             p50: q(0.50),
             p95: q(0.95),
@@ -298,12 +296,12 @@ fn slowest(records: &[&RequestRecord], n: usize, links: &TraceLinks<'_>) -> Vec<
 /// Selects the window's records passing the filters, and the options of the unfiltered window.
 fn select<'a>(
     records: &'a [RequestRecord],
-    w: &Window,
+    w: &PageWindow,
     f: &Filters,
 ) -> (Vec<&'a RequestRecord>, Options) {
     let in_window: Vec<&RequestRecord> = records
         .iter()
-        .filter(|r| w.contains(r.created_at))
+        .filter(|r| w.span.contains(r.created_at))
         .collect();
     let opts = options(&in_window);
     (
@@ -312,12 +310,12 @@ fn select<'a>(
     )
 }
 
-fn frame(page: &'static str, range: Range, w: &Window, f: &Filters, options: Options) -> Frame {
+fn frame(page: &'static str, range: Range, w: &PageWindow, f: &Filters, options: Options) -> Frame {
     Frame {
         page,
         range,
-        since: w.since_us as f64 / 1e6,
-        until: w.until_us as f64 / 1e6,
+        since: w.span.since_us as f64 / 1e6,
+        until: w.span.until_us as f64 / 1e6,
         step_seconds: w.step_us as f64 / 1e6,
         filters: f.clone(),
         options,
@@ -334,7 +332,7 @@ fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
 }
 
 /// Per-bucket groups of the selected records.
-fn by_bucket<'a>(records: &[&'a RequestRecord], w: &Window) -> Vec<Vec<&'a RequestRecord>> {
+fn by_bucket<'a>(records: &[&'a RequestRecord], w: &PageWindow) -> Vec<Vec<&'a RequestRecord>> {
     let mut out = vec![Vec::new(); w.buckets()];
     for r in records {
         if let Some(slot) = out.get_mut(w.bucket(r.created_at)) {
@@ -439,11 +437,11 @@ pub struct Overview {
 }
 
 /// Builds the overview page. `records` must cover at least the range and the trailing hour
-/// before `w.until_us`.
+/// before `w.span.until_us`.
 pub fn overview(
     records: &[RequestRecord],
     range: Range,
-    w: &Window,
+    w: &PageWindow,
     f: &Filters,
     links: &TraceLinks<'_>,
 ) -> Overview {
@@ -477,11 +475,7 @@ pub fn overview(
     let trailing = [("5m", 300i64), ("1h", 3_600)]
         .into_iter()
         .map(|(name, secs)| {
-            let tw = Window {
-                since_us: w.until_us - secs * 1_000_000,
-                until_us: w.until_us,
-                step_us: w.step_us,
-            };
+            let tw = w.trailing(secs);
             let (sel, _) = select(records, &tw, f);
             TrailingWindow {
                 window: name,
@@ -490,7 +484,7 @@ pub fn overview(
         })
         .collect();
     Overview {
-        summary: summary(&sel, w.seconds()),
+        summary: summary(&sel, w.span.seconds()),
         trailing,
         series,
         slowest: slowest(&sel, 10, links),
@@ -597,7 +591,7 @@ pub struct Performance {
 pub fn performance(
     records: &[RequestRecord],
     range: Range,
-    w: &Window,
+    w: &PageWindow,
     f: &Filters,
     links: &TraceLinks<'_>,
 ) -> Performance {
@@ -758,7 +752,7 @@ fn cost_rows(
 pub fn cost(
     records: &[RequestRecord],
     range: Range,
-    w: &Window,
+    w: &PageWindow,
     f: &Filters,
     budgets: Vec<BudgetRow>,
 ) -> Cost {
@@ -825,20 +819,20 @@ mod tests {
 
     #[test]
     fn window_is_aligned_to_the_step_and_tiles_the_range() {
-        let w = Window::ending_at(Range::H1, 1_000_000_030_000_000);
-        assert_eq!(w.until_us % 60_000_000, 0);
-        assert!(w.until_us >= 1_000_000_030_000_000);
-        assert_eq!(w.until_us - w.since_us, 3_600_000_000);
+        let w = PageWindow::ending_at(Range::H1, 1_000_000_030_000_000);
+        assert_eq!(w.span.until_us % 60_000_000, 0);
+        assert!(w.span.until_us >= 1_000_000_030_000_000);
+        assert_eq!(w.span.until_us - w.span.since_us, 3_600_000_000);
         assert_eq!(w.buckets(), 60);
-        let exact = Window::ending_at(Range::M5, 600_000_000);
-        assert_eq!(exact.until_us, 600_000_000);
+        let exact = PageWindow::ending_at(Range::M5, 600_000_000);
+        assert_eq!(exact.span.until_us, 600_000_000);
     }
 
     #[test]
     fn overview_numbers_are_exact() {
         // 10 requests in the last 5 minutes of a 1 h window: totals 1..=10 × 100 ms.
         let until = 3_600.0;
-        let w = Window::ending_at(Range::H1, (until * 1e6) as i64);
+        let w = PageWindow::ending_at(Range::H1, (until * 1e6) as i64);
         let mut records: Vec<RequestRecord> = (1..=10)
             .map(|i| {
                 rec(
@@ -872,7 +866,7 @@ mod tests {
 
     #[test]
     fn filters_narrow_and_options_list_the_unfiltered_window() {
-        let w = Window::ending_at(Range::M5, 300_000_000);
+        let w = PageWindow::ending_at(Range::M5, 300_000_000);
         let mut a = rec("a", 10.0, "m1", 10.0);
         a.business_line = Some("search".into());
         let mut b = rec("b", 20.0, "m2", 20.0);
@@ -901,7 +895,7 @@ mod tests {
 
     #[test]
     fn performance_split_by_bucket_and_engine_state() {
-        let w = Window::ending_at(Range::M5, 300_000_000);
+        let w = PageWindow::ending_at(Range::M5, 300_000_000);
         let mut a = rec("a", 5.0, "m", 100.0);
         a.queue_duration_ms = Some(10.0);
         a.prefill_duration_ms = Some(20.0);
@@ -927,7 +921,7 @@ mod tests {
 
     #[test]
     fn cost_groups_shares_and_unpriced() {
-        let w = Window::ending_at(Range::M5, 300_000_000);
+        let w = PageWindow::ending_at(Range::M5, 300_000_000);
         let mut a = rec("a", 5.0, "m", 1.0);
         a.business_line = Some("search".into());
         a.user_id = Some("u1".into());
@@ -955,7 +949,7 @@ mod tests {
 
     #[test]
     fn trace_links_only_for_kept_traces() {
-        let w = Window::ending_at(Range::M5, 300_000_000);
+        let w = PageWindow::ending_at(Range::M5, 300_000_000);
         let a = rec("a", 5.0, "m", 10.0);
         let b = rec("b", 6.0, "m", 20.0);
         let kept_id = a.trace_id.clone();

@@ -22,7 +22,7 @@
 pub mod aggregate;
 
 use crate::Shared;
-use aggregate::{BudgetRow, Filters, Range, TraceLinks, Window};
+use aggregate::{BudgetRow, Filters, PageWindow, Range, TraceLinks};
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -243,14 +243,17 @@ async fn page(
         request_type: nonempty(q.request_type),
         business_line: nonempty(q.business_line),
     };
-    let window = Window::ending_at(range, until_us);
+    let window = PageWindow::ending_at(range, until_us);
     // The overview's trailing 1 h needs that much even for the 5 min range.
-    let since_us = window.since_us.min(window.until_us - 3_600_000_000);
+    let since_us = window
+        .span
+        .since_us
+        .min(window.span.until_us - 3_600_000_000);
     let Ok(_permit) = s.permits.clone().acquire_owned().await else {
         return (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
     };
     let shared = s.shared.clone();
-    let until = window.until_us;
+    let until = window.span.until_us;
     // Reading the window's rows and computing the page (percentiles over up to millions of
     // rows) are both CPU work: off the runtime, on a blocking thread of the background
     // runtime (nice +10), so neither a request nor the admin listener waits behind a page.
@@ -277,7 +280,7 @@ fn render(
     page: &str,
     records: &[RequestRecord],
     range: Range,
-    window: &Window,
+    window: &PageWindow,
     filters: &Filters,
 ) -> Response {
     let kept_fn = |_: &str| None;
@@ -336,28 +339,18 @@ fn now_us() -> i64 {
 /// The records created in `[since_us, until_us)`: the store's rows plus the in-memory recent
 /// records the store does not have yet (each request once).
 fn load(shared: &Shared, since_us: i64, until_us: i64) -> Result<Vec<RequestRecord>, String> {
-    let mut records = match crate::StoreTarget::parse(&shared.cfg.store) {
-        crate::StoreTarget::Sqlite(path) => {
-            if path.exists() {
-                let db = tokenscope_store::SqliteStore::open_read_only(&path)
-                    .map_err(|e| e.to_string())?;
-                // Inside the gateway: a small page cache and no memory map (the reports' reader
-                // settings would add up to 64 MiB of cache and the mapped file to its RSS).
-                db.conn()
-                    .pragma_update(None, "cache_size", -2048)
-                    .and_then(|()| db.conn().pragma_update(None, "mmap_size", 0))
-                    .map_err(|e| e.to_string())?;
-                db.records_between(since_us, until_us)
-                    .map_err(|e| e.to_string())?
-            } else {
-                Vec::new()
-            }
-        }
-        crate::StoreTarget::ClickHouse(url) => {
-            tokenscope_clickhouse::ClickHouseStore::connect_url(&url)
-                .and_then(|ch| ch.records_between(since_us, until_us))
-                .map_err(|e| e.to_string())?
-        }
+    // Inside the gateway: a small page cache and no memory map (`ReadProfile::Resident`). No
+    // store file yet (nothing written): only the in-memory recent records.
+    let target = tokenscope_backend::StoreTarget::parse(&shared.cfg.store);
+    let mut records = match tokenscope_backend::open_reader_with(
+        &target,
+        tokenscope_backend::ReadProfile::Resident,
+    ) {
+        Ok(reader) => reader
+            .records_between(tokenscope_core::query::Window::new(since_us, until_us))
+            .map_err(|e| e.to_string())?,
+        Err(tokenscope_backend::BackendError::Missing { .. }) => Vec::new(),
+        Err(e) => return Err(e.detail()),
     };
     let recent: Vec<Arc<RequestRecord>> = shared
         .recent

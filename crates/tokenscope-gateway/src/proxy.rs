@@ -88,23 +88,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     let cfg = &shared.cfg;
     let max_attr = cfg.limits.max_attribution_bytes;
     let endpoint = Endpoint::from_path(parts.uri.path()).unwrap_or_default();
-    let trace = tokenscope_trace::RequestTrace::start(header_str(&parts.headers, "traceparent"));
-    let ids = RequestIds::new(&parts.headers, trace.trace_id_hex());
-    let traceparent = trace.upstream_traceparent();
-    let mut rec = RequestRecord {
-        request_id: ids.key.clone(),
-        client_request_id: ids.client.clone(),
-        trace_id: ids.trace.clone(),
-        created_at,
-        endpoint,
-        ..RequestRecord::default()
-    };
-    Attribution::from_headers(&parts.headers, endpoint, max_attr, &shared.api_keys).apply(&mut rec);
-    let conn = parts
-        .extensions
-        .get::<Arc<crate::server::ConnState>>()
-        .cloned();
-    let mut guard = RecordGuard::new(shared.fanout.clone(), rec, arrival, trace, conn);
+    let (mut guard, ids, traceparent) = arrive(&shared, &parts, endpoint, arrival, created_at);
 
     // Body, with a size limit.
     let limit = cfg.max_body_bytes;
@@ -150,36 +134,13 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
 
     // Entry count with the model's own tokenizer: runs beside forwarding, never before it.
     if let (Some(model), Some(body)) = (count_model, forward.parsed) {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let tokenizers = shared.tokenizers.clone();
-        tokio::spawn(async move {
-            let _ = tx.send(tokenizers.count_request(&model, endpoint, &body).await);
-        });
-        guard.set_entry_count(rx);
-        if stream {
-            if let Some(f) = guard.facts() {
-                f.keep_output_text();
-            }
-        }
+        start_entry_count(&shared, &mut guard, model, endpoint, body, stream);
     }
 
     let Some(upstream) = upstream else {
         return fail(guard, Failure::NoUpstream, &ids);
     };
-    if let Some((rec, facts)) = guard.parts() {
-        rec.upstream.clone_from(&upstream.name);
-        facts.set_kind(upstream.cfg.kind);
-        // Engine and GPU state at arrival (lock-free snapshots of the last scrape).
-        if let Some(snap) = upstream.state.as_ref().and_then(|s| s.snapshot()) {
-            rec.engine_running = Some(snap.running);
-            rec.engine_waiting = Some(snap.waiting);
-            rec.engine_kv_usage = snap.kv_usage;
-        }
-        if let Some(g) = shared.gpu.as_ref().and_then(|g| g.snapshot()) {
-            rec.gpu_utilization = g.mean_utilization;
-            rec.gpu_memory_bandwidth = g.mean_memory_bandwidth;
-        }
-    }
+    note_upstream(&mut guard, upstream, shared.gpu.as_ref());
     let strip_usage = forward.strip_usage;
     let up = match crate::forward::measured(
         &parts,
@@ -212,6 +173,95 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         Ok(Ok(r)) => r,
     };
 
+    respond(cfg, guard, resp, upconn, strip_usage, &ids)
+}
+
+/// Step 1: the record of a request that arrived at `arrival`: its ids, the attribution from
+/// its headers, its guard; and the `traceparent` the upstream gets.
+fn arrive(
+    shared: &Shared,
+    parts: &http::request::Parts,
+    endpoint: Endpoint,
+    arrival: Instant,
+    created_at: i64,
+) -> (RecordGuard, RequestIds, String) {
+    let trace = tokenscope_trace::RequestTrace::start(header_str(&parts.headers, "traceparent"));
+    let ids = RequestIds::new(&parts.headers, trace.trace_id_hex());
+    let traceparent = trace.upstream_traceparent();
+    let mut rec = RequestRecord {
+        request_id: ids.key.clone(),
+        client_request_id: ids.client.clone(),
+        trace_id: ids.trace.clone(),
+        created_at,
+        endpoint,
+        ..RequestRecord::default()
+    };
+    let max_attr = shared.cfg.limits.max_attribution_bytes;
+    Attribution::from_headers(&parts.headers, endpoint, max_attr, &shared.api_keys).apply(&mut rec);
+    let conn = parts
+        .extensions
+        .get::<Arc<crate::server::ConnState>>()
+        .cloned();
+    let guard = RecordGuard::new(shared.fanout.clone(), rec, arrival, trace, conn);
+    (guard, ids, traceparent)
+}
+
+/// Starts the entry count of `body` with `model`'s tokenizer on its own task; a stream's
+/// output text is then kept too (a cancelled stream's output is counted with it).
+fn start_entry_count(
+    shared: &Shared,
+    guard: &mut RecordGuard,
+    model: String,
+    endpoint: Endpoint,
+    body: serde_json::Value,
+    stream: bool,
+) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let tokenizers = shared.tokenizers.clone();
+    tokio::spawn(async move {
+        let _ = tx.send(tokenizers.count_request(&model, endpoint, &body).await);
+    });
+    guard.set_entry_count(rx);
+    if stream {
+        if let Some(f) = guard.facts() {
+            f.keep_output_text();
+        }
+    }
+}
+
+/// The chosen upstream on the record, with the engine's and the GPUs' state at arrival
+/// (lock-free snapshots of the last scrape).
+fn note_upstream(
+    guard: &mut RecordGuard,
+    upstream: &Upstream,
+    gpu: Option<&tokenscope_engine_state::GpuStateHandle>,
+) {
+    let Some((rec, facts)) = guard.parts() else {
+        return;
+    };
+    rec.upstream.clone_from(&upstream.name);
+    facts.set_kind(upstream.cfg.kind);
+    if let Some(snap) = upstream.state.as_ref().and_then(|s| s.snapshot()) {
+        rec.engine_running = Some(snap.running);
+        rec.engine_waiting = Some(snap.waiting);
+        rec.engine_kv_usage = snap.kv_usage;
+    }
+    if let Some(g) = gpu.and_then(|g| g.snapshot()) {
+        rec.gpu_utilization = g.mean_utilization;
+        rec.gpu_memory_bandwidth = g.mean_memory_bandwidth;
+    }
+}
+
+/// Step 6: the client's response, its body wrapped in [`MeteredBody`] (which now owns the
+/// guard and the upstream connection).
+fn respond(
+    cfg: &crate::config::GatewayConfig,
+    mut guard: RecordGuard,
+    resp: http::Response<hyper::body::Incoming>,
+    upconn: crate::upconn::UpConn,
+    strip_usage: bool,
+    ids: &RequestIds,
+) -> Response {
     let (rparts, rbody) = resp.into_parts();
     if let Some(f) = guard.facts() {
         f.headers(Instant::now(), rparts.status.as_u16(), &rparts.headers);

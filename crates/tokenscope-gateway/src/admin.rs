@@ -27,7 +27,7 @@
 //! `/v1/traces` needs `[admin] ingest_token` or the admin token when either is set.
 
 use crate::auth::Access;
-use crate::Shared;
+use crate::shared::Shared;
 use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -49,7 +49,7 @@ pub(crate) fn router(shared: Arc<Shared>, pipeline: Arc<PipelineHandle>) -> Rout
     let otlp = tokenscope_otlp::router::<AdminState>(Arc::new(
         move |spans: Vec<tokenscope_otlp::EngineSpan>| {
             for s in spans {
-                sink_shared.apply_engine_update(s.update);
+                sink_shared.fanout.apply_engine_update(s.update);
             }
         },
     ));
@@ -119,6 +119,7 @@ async fn recent(State(s): State<AdminState>, Query(q): Query<Limit>) -> Response
     let limit = q.limit.unwrap_or(100);
     let rows: Vec<_> = s
         .shared
+        .fanout
         .recent
         .lock()
         .iter()
@@ -137,6 +138,7 @@ async fn recent(State(s): State<AdminState>, Query(q): Query<Limit>) -> Response
 async fn one(State(s): State<AdminState>, Path(id): Path<String>) -> Response {
     let found = s
         .shared
+        .fanout
         .recent
         .lock()
         .iter()
@@ -174,7 +176,7 @@ enum MetricsIn {
 }
 
 async fn business_metrics(State(s): State<AdminState>, body: axum::body::Bytes) -> Response {
-    use crate::proxy::error_response;
+    use crate::failure::error_response;
     let parsed: MetricsIn = match serde_json::from_slice(&body) {
         Ok(p) => p,
         Err(e) => {

@@ -243,7 +243,7 @@ pub(crate) fn check(cfg: &GatewayConfig, access: Access, headers: &HeaderMap) ->
                 Access::Ingest => "[admin] ingest_token or [dashboard] token",
                 Access::Metrics => "[admin] metrics_token or [dashboard] token",
             };
-            let mut r = crate::proxy::error_response(
+            let mut r = crate::failure::error_response(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
                 &format!(
@@ -257,7 +257,7 @@ pub(crate) fn check(cfg: &GatewayConfig, access: Access, headers: &HeaderMap) ->
             );
             Some(r)
         }
-        Decision::RefusedOpen => Some(crate::proxy::error_response(
+        Decision::RefusedOpen => Some(crate::failure::error_response(
             StatusCode::FORBIDDEN,
             "open_admin_refused",
             &format!(
@@ -271,7 +271,7 @@ pub(crate) fn check(cfg: &GatewayConfig, access: Access, headers: &HeaderMap) ->
 /// An axum middleware guarding every route of its router with `access`.
 pub(crate) async fn guard(
     axum::extract::State((shared, access)): axum::extract::State<(
-        std::sync::Arc<crate::Shared>,
+        std::sync::Arc<crate::shared::Shared>,
         Access,
     )>,
     req: axum::extract::Request,

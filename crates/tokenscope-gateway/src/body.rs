@@ -27,8 +27,7 @@ use hyper::body::Incoming;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use tokenscope_core::openai::parse_payload;
-use tokenscope_core::sse::{parse_event, EventSplitter};
+use tokenscope_core::sse::EventSplitter;
 use tokenscope_core::Outcome;
 use tokio::time::Sleep;
 
@@ -105,7 +104,7 @@ impl MeteredBody {
 
     /// Handles one data frame; returns the bytes to forward (possibly empty).
     fn on_data(&mut self, data: Bytes, now: Instant) -> Bytes {
-        let Some(p) = self.guard.get() else {
+        let Some(f) = self.guard.facts() else {
             return data;
         };
         match &mut self.mode {
@@ -129,7 +128,7 @@ impl MeteredBody {
             } => {
                 if !*strip {
                     let res = splitter.push_bytes(&data, |raw| {
-                        on_event(p, &raw, now, false);
+                        f.absorb_event(&raw, now, false);
                     });
                     if res.is_err() {
                         *blind = true;
@@ -139,7 +138,7 @@ impl MeteredBody {
                 let mut out: Option<Bytes> = None;
                 let mut joined: Option<BytesMut> = None;
                 let res = splitter.push_bytes(&data, |raw| {
-                    if on_event(p, &raw, now, true) {
+                    if f.absorb_event(&raw, now, true) {
                         return; // the usage-only event the client did not ask for
                     }
                     match (&mut out, &mut joined) {
@@ -176,7 +175,7 @@ impl MeteredBody {
     /// End of the upstream body: parse what is left and finish the record.
     fn on_end(&mut self, now: Instant) -> Bytes {
         let mut tail = Bytes::new();
-        if let Some(p) = self.guard.get() {
+        if let Some(f) = self.guard.facts() {
             match &mut self.mode {
                 Mode::Sse {
                     splitter,
@@ -184,7 +183,7 @@ impl MeteredBody {
                     blind,
                 } => {
                     if let Some(rest) = splitter.finish() {
-                        let stripped = !*blind && on_event(p, &rest, now, *strip);
+                        let stripped = !*blind && f.absorb_event(&rest, now, *strip);
                         if *strip && !stripped {
                             tail = rest;
                         }
@@ -192,80 +191,13 @@ impl MeteredBody {
                 }
                 Mode::Whole { buf, overflow, .. } => {
                     if !*overflow && !buf.is_empty() {
-                        match parse_payload(buf) {
-                            Ok(info) => {
-                                if info.has_output && p.rec.stream {
-                                    p.timer.on_token_chunk(now);
-                                }
-                                let f = &mut p.facts;
-                                f.usage = info.usage.or(f.usage);
-                                f.timings = info.timings.or(f.timings);
-                                f.metrics = info.metrics.or(f.metrics);
-                                if let Some(r) = info.finish_reason {
-                                    f.finish_reason = Some(r.into_owned());
-                                }
-                                if let Some(m) = info.model {
-                                    f.model_served = Some(m.into_owned());
-                                }
-                                f.output_bytes += info.output_bytes;
-                            }
-                            Err(_) => p.facts.malformed = true,
-                        }
+                        f.absorb_body(buf, now);
                     }
                 }
             }
         }
         self.guard.finish(now, None);
         tail
-    }
-}
-
-/// Reads one raw SSE event into the record. Returns `true` when the event is the usage-only
-/// chunk and `strip` is set (the caller then drops it).
-fn on_event(p: &mut crate::recording::Pending, raw: &[u8], now: Instant, strip: bool) -> bool {
-    let ev = parse_event(raw);
-    let Some(data) = ev.data else {
-        return false;
-    };
-    let data = data.trim();
-    if data.is_empty() || data == "[DONE]" {
-        return false;
-    }
-    match parse_payload(data.as_bytes()) {
-        Ok(info) => {
-            let strip_this = strip && info.is_usage_only() && !info.has_output;
-            if info.has_output {
-                p.timer.on_token_chunk(now);
-            }
-            if let (Some(buf), Some(t)) = (p.output_text.as_mut(), info.text.as_deref()) {
-                if buf.len() + t.len() <= crate::recording::MAX_OUTPUT_TEXT {
-                    buf.push_str(t);
-                }
-            }
-            let f = &mut p.facts;
-            f.output_bytes += info.output_bytes;
-            if info.usage.is_some() {
-                f.usage = info.usage;
-            }
-            if info.timings.is_some() {
-                f.timings = info.timings;
-            }
-            if info.metrics.is_some() {
-                f.metrics = info.metrics;
-            }
-            if let Some(r) = info.finish_reason {
-                f.finish_reason = Some(r.into_owned());
-            }
-            if f.model_served.is_none() {
-                f.model_served = info.model.map(|m| m.into_owned());
-            }
-            f.stream_error |= info.is_error;
-            strip_this
-        }
-        Err(_) => {
-            p.facts.malformed = true;
-            false
-        }
     }
 }
 

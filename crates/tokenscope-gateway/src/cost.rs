@@ -19,10 +19,11 @@
 //! [`BudgetTracker`] keeps, per explicit `[[budgets]]` entry, the tokens and USD of its
 //! business line in the current UTC period (the period of each record's `created_at`; a
 //! record of a newer period starts it afresh, one of an older period is ignored), updated in
-//! `finish_record` (one short mutex per budget of the record's line), and sets
-//! `llm_budget_usage_ratio{business_line}` = the largest used/budget of the line's budgets.
+//! the fan-out of a finished record (`finished.rs`; one short mutex per budget of the
+//! record's line), and sets `llm_budget_usage_ratio{business_line}` = the largest used/budget
+//! of the line's budgets.
 //! At startup the current periods are seeded from the store by a background thread
-//! (records created before the gateway started; later ones arrive through `finish_record`,
+//! (records created before the gateway started; later ones arrive through that fan-out,
 //! so none is counted twice). Automatic (`auto = true`) budgets: the tracker also keeps the
 //! line's usage per UTC day (the seed reads the 30 days before the period too) and the budget
 //! of a period is 1.2 (`auto_factor`) × the mean daily use of the 30 days before it × days in

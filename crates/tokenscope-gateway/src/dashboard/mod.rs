@@ -21,7 +21,7 @@
 
 pub mod aggregate;
 
-use crate::Shared;
+use crate::shared::Shared;
 use aggregate::{BudgetRow, Filters, PageWindow, Range, TraceLinks};
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -191,7 +191,7 @@ async fn config(State(s): State<DashState>, headers: HeaderMap) -> Response {
     Json(serde_json::json!({
         "refresh_seconds": d.refresh_seconds,
         "trace_url": d.trace_url,
-        "tracing": s.shared.tracing.is_some(),
+        "tracing": s.shared.fanout.tracing_on(),
         "ranges": ["5m", "1h", "24h", "7d"],
         "pages": ["overview", "performance", "cost"],
     }))
@@ -284,8 +284,8 @@ fn render(
     filters: &Filters,
 ) -> Response {
     let kept_fn = |_: &str| None;
-    let tracing_on = shared.tracing.is_some();
-    let kept = &shared.kept_traces;
+    let tracing_on = shared.fanout.tracing_on();
+    let kept = &shared.fanout.kept_traces;
     let created: std::collections::HashMap<&str, i64> = records
         .iter()
         .map(|r| (r.trace_id.as_str(), r.created_at))
@@ -320,7 +320,7 @@ fn render(
             let budgets = lines
                 .into_iter()
                 .map(|l| BudgetRow {
-                    usage_ratio: shared.budgets.ratio(&l),
+                    usage_ratio: shared.fanout.budgets.ratio(&l),
                     business_line: l,
                 })
                 .collect();
@@ -353,6 +353,7 @@ fn load(shared: &Shared, since_us: i64, until_us: i64) -> Result<Vec<RequestReco
         Err(e) => return Err(e.detail()),
     };
     let recent: Vec<Arc<RequestRecord>> = shared
+        .fanout
         .recent
         .lock()
         .iter()

@@ -1,0 +1,185 @@
+//! What a measured request's exchange told the gateway: [`ResponseFacts`], absorbed in one
+//! place, and the pure derivation of the record's fields from them ([`derive`]).
+//!
+//! Invariants:
+//! * One type owns the facts; the handler ([`crate::proxy`]) and the response body
+//!   ([`crate::body::MeteredBody`]) only call its methods, and the record is derived from the
+//!   facts only at the end ([`derive::derive`]), never updated piecemeal.
+//! * Absorbing is cheap and bounded: per SSE event one parse of its `data:` JSON and no
+//!   allocation besides what a field keeps (the finish reason, the served model once, output
+//!   text up to [`MAX_OUTPUT_TEXT`] only when a tokenizer may count it).
+//! * A later `usage` / `timings` / `metrics` replaces an earlier one (the final chunk is the
+//!   complete one); the served model is the first one seen in a stream.
+
+pub(crate) mod derive;
+
+use crate::engine::{EngineKind, TgiHeaders};
+use http::HeaderMap;
+use std::time::Instant;
+use tokenscope_core::openai::{parse_payload, LlamaTimings, Usage, VllmMetrics};
+use tokenscope_core::sse::parse_event;
+use tokenscope_core::StreamTimer;
+
+/// Largest streamed output text kept for counting a cancelled stream's tokens.
+pub(crate) const MAX_OUTPUT_TEXT: usize = 256 * 1024;
+
+/// What the request's exchange told so far. See the module docs.
+#[derive(Debug)]
+pub(crate) struct ResponseFacts {
+    /// Arrival, body received, upstream sent, headers, content chunks.
+    timer: StreamTimer,
+    /// The request asked for a stream.
+    stream: bool,
+    /// The configured engine kind of the upstream.
+    kind: EngineKind,
+    status: Option<u16>,
+    usage: Option<Usage>,
+    timings: Option<LlamaTimings>,
+    metrics: Option<VllmMetrics>,
+    tgi: Option<TgiHeaders>,
+    finish_reason: Option<String>,
+    model_served: Option<String>,
+    output_bytes: usize,
+    /// A body or event that should have been JSON was not.
+    malformed: bool,
+    /// The stream carried an `{"error": …}` event.
+    stream_error: bool,
+    /// Streamed output text, kept (capped) only when a tokenizer can count it for a cancelled
+    /// stream.
+    output_text: Option<String>,
+}
+
+impl ResponseFacts {
+    /// No facts yet about a request that arrived at `arrival`.
+    pub(crate) fn new(arrival: Instant) -> Self {
+        ResponseFacts {
+            timer: StreamTimer::new(arrival),
+            stream: false,
+            kind: EngineKind::Auto,
+            status: None,
+            usage: None,
+            timings: None,
+            metrics: None,
+            tgi: None,
+            finish_reason: None,
+            model_served: None,
+            output_bytes: 0,
+            malformed: false,
+            stream_error: false,
+            output_text: None,
+        }
+    }
+
+    /// The request body had been received whole at `at`.
+    pub(crate) fn body_received(&mut self, at: Instant) {
+        self.timer.mark_body_received(at);
+    }
+
+    /// The request asks for a stream (a non-streamed body's output then counts as a chunk).
+    pub(crate) fn set_stream(&mut self, stream: bool) {
+        self.stream = stream;
+    }
+
+    /// Keep the streamed output text (capped) so that a tokenizer can count a cancelled
+    /// stream's tokens.
+    pub(crate) fn keep_output_text(&mut self) {
+        self.output_text = Some(String::new());
+    }
+
+    /// The upstream chosen and its configured engine kind.
+    pub(crate) fn set_kind(&mut self, kind: EngineKind) {
+        self.kind = kind;
+    }
+
+    /// The request was handed to the upstream connection at `at`.
+    pub(crate) fn upstream_sent(&mut self, at: Instant) {
+        self.timer.mark_upstream_sent(at);
+    }
+
+    /// The upstream's response headers arrived at `at`.
+    pub(crate) fn headers(&mut self, at: Instant, status: u16, headers: &HeaderMap) {
+        self.timer.mark_headers(at);
+        self.status = Some(status);
+        self.tgi = TgiHeaders::read(headers);
+    }
+
+    /// Arrival → the request handed to the upstream (the trace's span times).
+    pub(crate) fn upstream_sent_ms(&self) -> Option<f64> {
+        self.timer.upstream_sent_ms()
+    }
+
+    /// The kept output text (see [`Self::keep_output_text`]).
+    pub(crate) fn take_output_text(&mut self) -> Option<String> {
+        self.output_text.take()
+    }
+
+    /// Reads one raw SSE event. Returns `true` when the event is the usage-only chunk and
+    /// `strip` is set (the caller then drops it).
+    pub(crate) fn absorb_event(&mut self, raw: &[u8], now: Instant, strip: bool) -> bool {
+        let ev = parse_event(raw);
+        let Some(data) = ev.data else {
+            return false;
+        };
+        let data = data.trim();
+        if data.is_empty() || data == "[DONE]" {
+            return false;
+        }
+        match parse_payload(data.as_bytes()) {
+            Ok(info) => {
+                let strip_this = strip && info.is_usage_only() && !info.has_output;
+                if info.has_output {
+                    self.timer.on_token_chunk(now);
+                }
+                if let (Some(buf), Some(t)) = (self.output_text.as_mut(), info.text.as_deref()) {
+                    if buf.len() + t.len() <= MAX_OUTPUT_TEXT {
+                        buf.push_str(t);
+                    }
+                }
+                self.output_bytes += info.output_bytes;
+                if info.usage.is_some() {
+                    self.usage = info.usage;
+                }
+                if info.timings.is_some() {
+                    self.timings = info.timings;
+                }
+                if info.metrics.is_some() {
+                    self.metrics = info.metrics;
+                }
+                if let Some(r) = info.finish_reason {
+                    self.finish_reason = Some(r.into_owned());
+                }
+                if self.model_served.is_none() {
+                    self.model_served = info.model.map(|m| m.into_owned());
+                }
+                self.stream_error |= info.is_error;
+                strip_this
+            }
+            Err(_) => {
+                self.malformed = true;
+                false
+            }
+        }
+    }
+
+    /// Reads a whole (non-SSE) response body that arrived complete at `now`.
+    pub(crate) fn absorb_body(&mut self, buf: &[u8], now: Instant) {
+        match parse_payload(buf) {
+            Ok(info) => {
+                if info.has_output && self.stream {
+                    self.timer.on_token_chunk(now);
+                }
+                self.usage = info.usage.or(self.usage);
+                self.timings = info.timings.or(self.timings);
+                self.metrics = info.metrics.or(self.metrics);
+                if let Some(r) = info.finish_reason {
+                    self.finish_reason = Some(r.into_owned());
+                }
+                if let Some(m) = info.model {
+                    self.model_served = Some(m.into_owned());
+                }
+                self.output_bytes += info.output_bytes;
+            }
+            Err(_) => self.malformed = true,
+        }
+    }
+}

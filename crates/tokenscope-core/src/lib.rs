@@ -10,6 +10,10 @@
 //! * [`openai`] — reading OpenAI-compatible request and response bodies (usage, model, finish
 //!   reason, llama.cpp `timings`), and the `include_usage` rewrite.
 //! * [`prompt`] — prompt normalisation and hashing for duplicate detection.
+//! * [`time`] — UTC calendar days and months, time formatting, and the one parser of human
+//!   durations and report bounds (built on `jiff`).
+//! * [`engine`] — the inference engines tokenscope knows ([`Engine`]) and an upstream's
+//!   configured kind ([`EngineKind`]).
 //!
 //! Invariants:
 //! * TPOT is `(t_last − t_first) / (n_out − 1)` and only exists for `n_out ≥ 2`.
@@ -18,14 +22,17 @@
 //! * Parsers never panic on any input (property-tested and fuzzed).
 #![deny(missing_docs)]
 
+pub mod engine;
 pub mod openai;
 pub mod prompt;
 pub mod record;
 pub mod sse;
+pub mod time;
 pub mod timing;
 pub mod w3c;
 
 pub use record::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
 };
+pub use engine::{Engine, EngineKind};
 pub use timing::StreamTimer;

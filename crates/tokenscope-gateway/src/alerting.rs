@@ -225,9 +225,9 @@ fn now_us() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
+/// RFC 3339 with milliseconds, as Alertmanager writes it (times before 1970 read as 1970).
 fn rfc3339(us: i64) -> String {
-    let t = UNIX_EPOCH + Duration::from_micros(u64::try_from(us).unwrap_or(0));
-    humantime::format_rfc3339_millis(t).to_string()
+    tokenscope_core::time::format_rfc3339_millis(us.max(0))
 }
 
 /// The Alertmanager v2 body for `notes`.

@@ -953,7 +953,11 @@ impl Report for AnomalyReport {
             t.add_row(vec![
                 "loop".to_string(),
                 x.caller.clone(),
-                format!("{} → {}", format_date_time(x.first_us), format_date_time(x.last_us)),
+                format!(
+                    "{} → {}",
+                    format_date_time(x.first_us),
+                    format_date_time(x.last_us)
+                ),
                 format!(
                     "prompt {} repeated {} times every {:.2} s, {} tokens",
                     short(&x.prompt_hash),
@@ -986,7 +990,11 @@ impl Report for AnomalyReport {
             t.add_row(vec![
                 "drop".to_string(),
                 x.scope.clone(),
-                format!("{} → {}", format_date_time(x.from_us), format_date_time(x.until_us)),
+                format!(
+                    "{} → {}",
+                    format_date_time(x.from_us),
+                    format_date_time(x.until_us)
+                ),
                 format!(
                     "{:.1} requests/bucket vs baseline {:.1} ({:.0} %) for {} buckets",
                     x.requests_per_bucket,

@@ -10,6 +10,7 @@
 //! * [`openai`] — reading OpenAI-compatible request and response bodies (usage, model, finish
 //!   reason, llama.cpp `timings`), and the `include_usage` rewrite.
 //! * [`prompt`] — prompt normalisation and hashing for duplicate detection.
+//! * [`redact`] — [`redact_url`]: a URL without its password, for logs.
 //! * [`time`] — UTC calendar days and months, time formatting, and the one parser of human
 //!   durations and report bounds (built on `jiff`).
 //! * [`engine`] — the inference engines tokenscope knows ([`Engine`]) and an upstream's
@@ -26,13 +27,15 @@ pub mod engine;
 pub mod openai;
 pub mod prompt;
 pub mod record;
+pub mod redact;
 pub mod sse;
 pub mod time;
 pub mod timing;
 pub mod w3c;
 
+pub use engine::{Engine, EngineKind};
 pub use record::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
 };
-pub use engine::{Engine, EngineKind};
+pub use redact::redact_url;
 pub use timing::StreamTimer;

@@ -121,7 +121,12 @@ pub fn format_rfc3339_seconds(us: i64) -> String {
 /// RFC 3339 UTC with milliseconds: `2023-11-14T22:13:20.000Z`.
 pub fn format_rfc3339_millis(us: i64) -> String {
     let t = UtcTime::from_us(us);
-    format!("{}T{}.{:03}Z", t.date_text(), t.time_text(), t.micros / 1000)
+    format!(
+        "{}T{}.{:03}Z",
+        t.date_text(),
+        t.time_text(),
+        t.micros / 1000
+    )
 }
 
 /// The UTC date: `2024-03-01`.
@@ -282,7 +287,9 @@ fn parse_absolute(t: &str) -> Option<i64> {
         TimeZone::UTC.to_timestamp(dt).ok()?
     } else {
         let date = t.parse::<Date>().ok()?;
-        TimeZone::UTC.to_timestamp(date.to_datetime(jiff::civil::Time::midnight())).ok()?
+        TimeZone::UTC
+            .to_timestamp(date.to_datetime(jiff::civil::Time::midnight()))
+            .ok()?
     };
     i64::try_from(ts.as_microsecond()).ok()
 }
@@ -304,7 +311,10 @@ mod tests {
             "2024-02-29T00:00:00.000001Z"
         );
         assert_eq!(format_rfc3339(-S), "1969-12-31T23:59:59Z");
-        assert_eq!(format_rfc3339_seconds(NOW + 999_999), "2024-03-15T12:00:00Z");
+        assert_eq!(
+            format_rfc3339_seconds(NOW + 999_999),
+            "2024-03-15T12:00:00Z"
+        );
         assert_eq!(
             format_rfc3339_millis(1_700_000_000 * S),
             "2023-11-14T22:13:20.000Z"
@@ -399,7 +409,9 @@ mod tests {
         assert_eq!(p("0s"), Ok(Duration::ZERO));
         assert_eq!(p("60"), Ok(Duration::from_secs(60)));
         assert_eq!(p("250us"), Ok(Duration::from_micros(250)));
-        for bad in ["", "x", "1y", "1M", "-1s", "1.2.3s", "s", "1h 30", "1 2s", "1e3s", "."] {
+        for bad in [
+            "", "x", "1y", "1M", "-1s", "1.2.3s", "s", "1h 30", "1 2s", "1e3s", ".",
+        ] {
             assert_eq!(p(bad), Err(TimeError::Duration(bad.into())), "{bad:?}");
         }
         assert!(p("99999999999999999999999w").is_err());
@@ -437,7 +449,15 @@ mod tests {
             parse_time_bound("2026-12-01T10:00:00", NOW),
             Ok(1_796_083_200 * S + 10 * 3600 * S)
         );
-        for bad in ["@x", "@inf", "2026-13-01", "2026-12-01T25:00Z", "soon", "1y", ""] {
+        for bad in [
+            "@x",
+            "@inf",
+            "2026-13-01",
+            "2026-12-01T25:00Z",
+            "soon",
+            "1y",
+            "",
+        ] {
             assert_eq!(
                 parse_time_bound(bad, NOW),
                 Err(TimeError::Time(bad.into())),

@@ -23,7 +23,8 @@ mod admin;
 pub mod alerting;
 pub mod auth;
 pub mod body;
-pub mod config;
+/// The configuration (its own crate, `tokenscope-config`; `crate::config::…` paths resolve).
+pub use tokenscope_config as config;
 pub mod cost;
 pub mod dashboard;
 pub mod engine;
@@ -51,7 +52,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokenscope_core::{PhaseUpdate, RequestRecord};
 use tokenscope_engine_state::{
-    EngineStateHandle, EngineTarget, GpuConfig, GpuStateHandle, KindHint, ScrapeConfig,
+    EngineStateHandle, EngineTarget, GpuConfig, GpuStateHandle, ScrapeConfig,
 };
 use tokenscope_store::{
     spawn_pipeline, spawn_pipeline_with_spool, DropReason, ErrorClass, LossReason, PipelineConfig,
@@ -698,15 +699,11 @@ impl Gateway {
                     .parse()
                     .map_err(|e| ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)))?;
                 let state = if u.scrape_interval_ms > 0 {
-                    let kind = match u.kind.name() {
-                        None => KindHint::Auto,
-                        Some(k) => k.parse::<KindHint>().unwrap_or_default(),
-                    };
                     let target = EngineTarget {
                         name: u.name.clone(),
                         base_url: u.url.clone(),
                         metrics_url: u.metrics_url.clone(),
-                        kind,
+                        kind: u.kind,
                     };
                     let scrape = ScrapeConfig {
                         interval: Duration::from_millis(u.scrape_interval_ms),

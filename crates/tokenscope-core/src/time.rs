@@ -291,7 +291,7 @@ fn parse_absolute(t: &str) -> Option<i64> {
             .to_timestamp(date.to_datetime(jiff::civil::Time::midnight()))
             .ok()?
     };
-    i64::try_from(ts.as_microsecond()).ok()
+    Some(ts.as_microsecond())
 }
 
 #[cfg(test)]

@@ -161,7 +161,7 @@ impl Layers {
                 continue;
             };
             let path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
-            if !owned.contains(&path[0].as_str()) {
+            if !path.first().is_some_and(|k| owned.contains(&k.as_str())) {
                 continue;
             }
             let origin = Origin::Env(var.clone());
@@ -379,7 +379,7 @@ impl<'de, 'a> de::Deserializer<'de> for NodeDe<'a> {
             return match t {
                 "true" => v.visit_bool(true),
                 "false" => v.visit_bool(false),
-                _ => v.visit_str(self.text().unwrap_or_default()),
+                _ => v.visit_str(t),
             };
         }
         match self.table() {
@@ -564,5 +564,94 @@ impl<'de, 'a> MapAccess<'de> for TableAccess<'a> {
             path: key.clone(),
         })
         .map_err(|e| e.locate(&key, &entry.origin))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    /// A schema that ignores unknown keys (no `deny_unknown_fields`).
+    #[derive(Debug, Deserialize, Default, PartialEq)]
+    #[serde(default)]
+    struct Lenient {
+        name: String,
+        inner: Inner,
+    }
+
+    #[derive(Debug, Deserialize, Default, PartialEq)]
+    #[serde(default)]
+    struct Inner {
+        n: u32,
+        list: Vec<u32>,
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn keys_are_read_from_the_schema() {
+        assert_eq!(top_level_keys::<Lenient>(), ["name", "inner"]);
+        assert_eq!(top_level_keys::<Inner>(), ["n", "list"]);
+    }
+
+    #[test]
+    fn env_text_is_typed_by_the_field_and_unknown_env_keys_fail_everywhere() {
+        let owned = top_level_keys::<Lenient>();
+        let doc: toml::Table = "name = \"file\"\n[inner]\nn = 1\nfuture = true\n"
+            .parse()
+            .expect("toml");
+        let got: Lenient = Layers::default()
+            .file(Path::new("f.toml"), doc.clone())
+            .env(
+                env(&[
+                    ("TOKENSCOPE_NAME", "007"),
+                    ("TOKENSCOPE_INNER__LIST", "[1, 2]"),
+                    ("TOKENSCOPE_OTHER", "x"),
+                    ("UNRELATED", "y"),
+                ]),
+                owned,
+            )
+            .extract()
+            .expect("valid");
+        assert_eq!(
+            got,
+            Lenient {
+                name: "007".into(),
+                inner: Inner {
+                    n: 1,
+                    list: vec![1, 2],
+                },
+            }
+        );
+        // The file's unknown key is the schema's business (this one ignores it); the
+        // environment's is an error naming the variable.
+        let err = Layers::default()
+            .file(Path::new("f.toml"), doc)
+            .env(env(&[("TOKENSCOPE_INNER__TYPO", "1")]), owned)
+            .extract::<Lenient>()
+            .expect_err("typo");
+        assert_eq!(
+            err.at,
+            Some((
+                "inner.typo".into(),
+                Origin::Env("TOKENSCOPE_INNER__TYPO".into())
+            ))
+        );
+        let err = Layers::default()
+            .env(env(&[("TOKENSCOPE_INNER__N", "-1")]), owned)
+            .extract::<Lenient>()
+            .expect_err("negative");
+        assert!(
+            err.to_string().starts_with(
+                "`inner.n` (from environment variable TOKENSCOPE_INNER__N): \"-1\" is not a u32"
+            ),
+            "{err}"
+        );
     }
 }

@@ -60,10 +60,17 @@ pub enum ConfigError {
     Parse(String),
     /// A value does not fit the schema (wrong type, or a key that names no setting).
     #[error("invalid configuration: {0}")]
-    Value(#[from] layer::LayerError),
+    Value(layer::LayerError),
     /// A value is out of range or inconsistent.
     #[error("invalid configuration: {0}")]
     Invalid(String),
+}
+
+impl From<layer::LayerError> for ConfigError {
+    fn from(e: layer::LayerError) -> Self {
+        // Not a `source`: the message already carries the whole cause (printed once).
+        ConfigError::Value(e)
+    }
 }
 
 /// How a user becomes a metric label.

@@ -43,6 +43,7 @@ use crate::{table, total_tokens, AnalysisError, Report, Window};
 use serde::Serialize;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use tokenscope_core::time::format_date_time;
 use tokenscope_core::RequestRecord;
 
 /// Where the spike and drop baselines come from.
@@ -889,20 +890,6 @@ fn find_bursts(
     bursts
 }
 
-/// `YYYY-MM-DD HH:MM:SS` (UTC) of epoch µs, for tables.
-pub fn fmt_time(us: i64) -> String {
-    let secs = us.div_euclid(1_000_000);
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    let (y, m, d) = crate::budget::civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
 fn short(h: &str) -> &str {
     h.get(..12).unwrap_or(h)
 }
@@ -912,8 +899,8 @@ impl Report for AnomalyReport {
         let s = &self.settings;
         let mut out = format!(
             "Anomalies {} → {} UTC: {} records, {} buckets of {} s, baseline {} ({} records)\n",
-            fmt_time(self.window.since_us),
-            fmt_time(self.window.until_us),
+            format_date_time(self.window.since_us),
+            format_date_time(self.window.until_us),
             self.records,
             s.buckets,
             s.bucket_s,
@@ -939,7 +926,7 @@ impl Report for AnomalyReport {
                         .map(|b| format!(" ({b})"))
                         .unwrap_or_default()
                 ),
-                fmt_time(x.first_spike_us),
+                format_date_time(x.first_spike_us),
                 format!(
                     "{}, {} tokens in {} bucket(s), {:.0} % of the spike excess; {}; top prompt {} ({:.0} %), type {}",
                     x.factor.map_or("no baseline".to_string(), |f| format!("{f:.1} × baseline")),
@@ -966,7 +953,11 @@ impl Report for AnomalyReport {
             t.add_row(vec![
                 "loop".to_string(),
                 x.caller.clone(),
-                format!("{} → {}", fmt_time(x.first_us), fmt_time(x.last_us)),
+                format!(
+                    "{} → {}",
+                    format_date_time(x.first_us),
+                    format_date_time(x.last_us)
+                ),
                 format!(
                     "prompt {} repeated {} times every {:.2} s, {} tokens",
                     short(&x.prompt_hash),
@@ -981,7 +972,7 @@ impl Report for AnomalyReport {
             t.add_row(vec![
                 "duplicate burst".to_string(),
                 x.callers.join(", "),
-                fmt_time(x.first_us),
+                format_date_time(x.first_us),
                 format!(
                     "prompt {} sent {} times in {:.1} s, {} tokens",
                     short(&x.prompt_hash),
@@ -999,7 +990,11 @@ impl Report for AnomalyReport {
             t.add_row(vec![
                 "drop".to_string(),
                 x.scope.clone(),
-                format!("{} → {}", fmt_time(x.from_us), fmt_time(x.until_us)),
+                format!(
+                    "{} → {}",
+                    format_date_time(x.from_us),
+                    format_date_time(x.until_us)
+                ),
                 format!(
                     "{:.1} requests/bucket vs baseline {:.1} ({:.0} %) for {} buckets",
                     x.requests_per_bucket,
@@ -1265,8 +1260,8 @@ mod tests {
 
     #[test]
     fn time_format() {
-        assert_eq!(fmt_time(0), "1970-01-01 00:00:00");
-        assert_eq!(fmt_time(1_700_000_000 * S), "2023-11-14 22:13:20");
+        assert_eq!(format_date_time(0), "1970-01-01 00:00:00");
+        assert_eq!(format_date_time(1_700_000_000 * S), "2023-11-14 22:13:20");
     }
 
     proptest! {

@@ -35,7 +35,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use tokenscope_core::RequestRecord;
 
-const DAY_US: i64 = 86_400_000_000;
+use tokenscope_core::time::{self, format_rfc3339_seconds, DAY_US};
 
 /// Budget period.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, Default)]
@@ -51,15 +51,9 @@ pub enum Period {
 impl Period {
     /// `[start, end)` of the period containing `now_us`, epoch µs.
     pub fn bounds(self, now_us: i64) -> (i64, i64) {
-        let day = now_us.div_euclid(DAY_US);
         match self {
-            Period::Daily => (day * DAY_US, (day + 1) * DAY_US),
-            Period::Monthly => {
-                let (y, m, _) = civil_from_days(day);
-                let start = days_from_civil(y, m, 1);
-                let (ny, nm) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
-                (start * DAY_US, days_from_civil(ny, nm, 1) * DAY_US)
-            }
+            Period::Daily => time::utc_day_bounds(now_us),
+            Period::Monthly => time::utc_month_bounds(now_us),
         }
     }
 
@@ -70,44 +64,6 @@ impl Period {
             Period::Monthly => "monthly",
         }
     }
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm).
-pub fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let m = i64::from(m);
-    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
-/// The date `(year, month, day)` of a day number since 1970-01-01.
-pub fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (if m <= 2 { y + 1 } else { y }, m, d)
-}
-
-/// `YYYY-MM-DDTHH:MM:SSZ` of an epoch-µs time.
-pub fn iso_utc(t_us: i64) -> String {
-    let day = t_us.div_euclid(DAY_US);
-    let secs = t_us.rem_euclid(DAY_US) / 1_000_000;
-    let (y, m, d) = civil_from_days(day);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        secs / 3600,
-        secs / 60 % 60,
-        secs % 60
-    )
 }
 
 /// One `[[budgets]]` entry.
@@ -558,8 +514,8 @@ fn budget_status(
         period: b.period,
         period_start_us: start,
         period_end_us: end,
-        period_start: iso_utc(start),
-        period_end: iso_utc(end),
+        period_start: format_rfc3339_seconds(start),
+        period_end: format_rfc3339_seconds(end),
         auto: b.auto,
         baseline,
         budget_tokens,
@@ -572,7 +528,7 @@ fn budget_status(
         ratio,
         status,
         projected_exhaustion_us,
-        projected_exhaustion: projected_exhaustion_us.map(iso_utc),
+        projected_exhaustion: projected_exhaustion_us.map(format_rfc3339_seconds),
         exhausted_at_us: exhausted_at_us.filter(|_| status == Status::Exceeded),
     }
 }
@@ -611,7 +567,7 @@ impl Report for BudgetReport {
                 b.ratio.map_or("-".into(), |r| format!("{:.1}%", r * 100.0)),
                 format!("{:?}", b.status).to_lowercase(),
                 match (b.exhausted_at_us, &b.projected_exhaustion) {
-                    (Some(t), _) => format!("reached {}", iso_utc(t)),
+                    (Some(t), _) => format!("reached {}", format_rfc3339_seconds(t)),
                     (None, Some(p)) => p.clone(),
                     (None, None) => "-".into(),
                 },
@@ -646,7 +602,7 @@ impl Report for BudgetReport {
                 .to_owned(),
             ]);
         }
-        let mut out = format!("Budgets at {}\n{t}\n", iso_utc(self.now_us));
+        let mut out = format!("Budgets at {}\n{t}\n", format_rfc3339_seconds(self.now_us));
         out.push_str(&format!(
             "Growth: {:.0} s window vs the previous one (abnormal: tokens ≥ {:.0}% and ≥ {:.2}× volume growth)\n{g}\n",
             self.growth_window.seconds(),
@@ -767,34 +723,26 @@ mod tests {
 
     #[test]
     fn calendar() {
-        assert_eq!(days_from_civil(1970, 1, 1), 0);
-        assert_eq!(civil_from_days(days_from_civil(2024, 2, 29)), (2024, 2, 29));
-        assert_eq!(iso_utc(NOW), "2024-03-15T12:00:00Z");
+        assert_eq!(format_rfc3339_seconds(NOW), "2024-03-15T12:00:00Z");
         let (s, e) = Period::Daily.bounds(NOW);
         assert_eq!(
-            (iso_utc(s), iso_utc(e)),
+            (format_rfc3339_seconds(s), format_rfc3339_seconds(e)),
             ("2024-03-15T00:00:00Z".into(), "2024-03-16T00:00:00Z".into())
         );
         let (s, e) = Period::Monthly.bounds(NOW);
         assert_eq!(
-            (iso_utc(s), iso_utc(e)),
+            (format_rfc3339_seconds(s), format_rfc3339_seconds(e)),
             ("2024-03-01T00:00:00Z".into(), "2024-04-01T00:00:00Z".into())
         );
-        let dec = days_from_civil(2023, 12, 31) * DAY_US + 5;
+        let dec = 1_703_980_800_000_000 + 5; // 2023-12-31
         let (s, e) = Period::Monthly.bounds(dec);
         assert_eq!(
-            (iso_utc(s), iso_utc(e)),
+            (format_rfc3339_seconds(s), format_rfc3339_seconds(e)),
             ("2023-12-01T00:00:00Z".into(), "2024-01-01T00:00:00Z".into())
         );
     }
 
     proptest::proptest! {
-        #[test]
-        fn civil_round_trip(z in -1_000_000i64..1_000_000) {
-            let (y, m, d) = civil_from_days(z);
-            proptest::prop_assert_eq!(days_from_civil(y, m, d), z);
-        }
-
         #[test]
         fn periods_contain_now(t in -4_000_000_000_000_000i64..4_000_000_000_000_000) {
             for p in [Period::Daily, Period::Monthly] {

@@ -42,6 +42,7 @@
 use crate::diagnose::{percentile, r4};
 use crate::{table, AnalysisError, Report, Window};
 use serde::{Deserialize, Serialize};
+use tokenscope_core::time::format_date;
 use tokenscope_core::RequestRecord;
 
 /// Options of the capacity analysis.
@@ -205,20 +206,6 @@ fn judge(bands: &mut [Band], opts: &CapacityOptions) -> (Option<f64>, Option<f64
     (knee.map(|i| bands[i].qps), sustainable, knee.is_some())
 }
 
-/// Civil date (UTC) of epoch µs, `YYYY-MM-DD` (Howard Hinnant's days-to-civil).
-pub fn utc_date(us: i64) -> String {
-    let z = us.div_euclid(86_400_000_000) + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
-}
-
 fn finish(
     mode: &str,
     window: Option<Window>,
@@ -241,7 +228,7 @@ fn finish(
         }),
         _ => None,
     };
-    let limit_date = days.map(|d| utc_date(now_us + (d * 86_400e6) as i64));
+    let limit_date = days.map(|d| format_date(now_us + (d * 86_400e6) as i64));
     let slo = match opts.slo_tpot_p99_ms {
         Some(t) => format!(
             "P99 TTFT ≤ {} ms and P99 TPOT ≤ {t} ms",
@@ -638,8 +625,8 @@ mod tests {
         assert!((g.rate - 0.05).abs() < 1e-12);
         assert!("5%".parse::<Growth>().is_err());
         assert!("-1%/day".parse::<Growth>().is_err());
-        assert_eq!(utc_date(0), "1970-01-01");
-        assert_eq!(utc_date(1_709_251_200_000_000), "2024-03-01");
-        assert_eq!(utc_date(951_782_400_000_000), "2000-02-29");
+        assert_eq!(format_date(0), "1970-01-01");
+        assert_eq!(format_date(1_709_251_200_000_000), "2024-03-01");
+        assert_eq!(format_date(951_782_400_000_000), "2000-02-29");
     }
 }

@@ -436,8 +436,8 @@ impl Report for WasteReport {
     fn render_table(&self) -> String {
         let mut out = format!(
             "Waste {} → {} UTC: {} successful requests, {} tokens\n",
-            crate::anomalies::fmt_time(self.window.since_us),
-            crate::anomalies::fmt_time(self.window.until_us),
+            tokenscope_core::time::format_date_time(self.window.since_us),
+            tokenscope_core::time::format_date_time(self.window.until_us),
             self.records,
             self.tokens
         );

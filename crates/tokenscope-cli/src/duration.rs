@@ -1,33 +1,15 @@
-//! Human durations for the command line: `90s`, `15m`, `1h`, `7d`, `2w`, `500ms`.
+//! Human durations for the command line: `90s`, `15m`, `1h`, `7d`, `2w`, `500ms`, `1h 30m`; a
+//! bare number is seconds. The parser is the workspace's one ([`tokenscope_core::time`]).
 
 use std::time::Duration;
+use tokenscope_core::time::{parse_duration, BareNumber};
 
 /// Error of [`parse`].
-#[derive(Debug, thiserror::Error)]
-#[error("invalid duration {0:?}: expected a number followed by ms, s, m, h, d or w (e.g. 1h)")]
-pub struct DurationError(String);
+pub use tokenscope_core::time::TimeError as DurationError;
 
-/// Parses a human duration.
+/// Parses a human duration (a bare number is seconds).
 pub fn parse(s: &str) -> Result<Duration, DurationError> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| DurationError(s.to_owned()))?;
-    let secs = match unit.trim() {
-        "ms" => n / 1000.0,
-        "s" | "" => n,
-        "m" | "min" => n * 60.0,
-        "h" => n * 3600.0,
-        "d" => n * 86_400.0,
-        "w" => n * 7.0 * 86_400.0,
-        _ => return Err(DurationError(s.to_owned())),
-    };
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(DurationError(s.to_owned()));
-    }
-    Ok(Duration::from_secs_f64(secs))
+    parse_duration(s, BareNumber::Seconds)
 }
 
 #[cfg(test)]

@@ -274,19 +274,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// A report bound: `@SECONDS` is an absolute Unix time (e.g. `@1764633600`, fractions
-/// allowed), anything else a duration before `now` (`15m`, `7d`).
+/// A report bound (`--since`, `--until`): a duration before `now` (`15m`, `7d`), a date or
+/// RFC 3339 timestamp (`2026-12-01`, `2026-12-01T10:00:00Z`) or `@UNIX_SECONDS`
+/// ([`tokenscope_core::time::parse_time_bound`]).
 fn time_arg(s: &str, now_us: i64) -> Result<i64> {
-    if let Some(abs) = s.strip_prefix('@') {
-        let secs: f64 = abs
-            .parse()
-            .with_context(|| format!("{s:?}: expected @UNIX_SECONDS"))?;
-        if !secs.is_finite() {
-            bail!("{s:?}: expected @UNIX_SECONDS");
-        }
-        return Ok((secs * 1e6).round() as i64);
-    }
-    Ok(now_us - duration::parse(s)?.as_micros() as i64)
+    Ok(tokenscope_core::time::parse_time_bound(s, now_us)?)
 }
 
 fn report(args: ReportArgs) -> Result<()> {

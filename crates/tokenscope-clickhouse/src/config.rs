@@ -16,7 +16,7 @@
 //!   (the shards' HTTP addresses, so the schema is created on each without `ON CLUSTER`),
 //!   `ttl_days=N` (retention), `timeout_ms=N` (per request, default 30 000),
 //!   `connect_timeout_ms=N` (the first contact in [`crate::ClickHouseStore::connect`], default
-//!   5 000), `compression=lz4|none` (request/response compression, default `none`). Unknown
+//!   5 000) — both milliseconds, or a duration with a unit (`2s`) — `compression=lz4|none` (request/response compression, default `none`). Unknown
 //!   options are refused, so a typo does not silently change behaviour.
 //! * Only plain HTTP is supported (no `https`): put a TLS-terminating proxy or a tunnel in
 //!   front of a remote server.
@@ -203,11 +203,11 @@ impl ClickHouseConfig {
                 }
                 "timeout_ms" => {
                     cfg.request_timeout =
-                        parse_ms(&v).ok_or_else(|| bad("timeout_ms must be a positive integer"))?
+                        parse_ms(&v).ok_or_else(|| bad("timeout_ms must be a positive duration (milliseconds, or with a unit: 2s)"))?
                 }
                 "connect_timeout_ms" => {
                     cfg.connect_timeout = parse_ms(&v)
-                        .ok_or_else(|| bad("connect_timeout_ms must be a positive integer"))?
+                        .ok_or_else(|| bad("connect_timeout_ms must be a positive duration (milliseconds, or with a unit: 2s)"))?
                 }
                 "compression" => {
                     cfg.compression = match v.as_str() {
@@ -251,11 +251,12 @@ impl ClickHouseConfig {
     }
 }
 
+/// A positive duration; a bare number is milliseconds (`timeout_ms=1500`), a unit may be given
+/// (`timeout_ms=2s`).
 fn parse_ms(v: &str) -> Option<Duration> {
-    v.parse::<u64>()
+    tokenscope_core::time::parse_duration(v, tokenscope_core::time::BareNumber::Millis)
         .ok()
-        .filter(|n| *n > 0)
-        .map(Duration::from_millis)
+        .filter(|d| !d.is_zero())
 }
 
 /// `[A-Za-z_][A-Za-z0-9_]*`: safe to write into SQL unquoted.

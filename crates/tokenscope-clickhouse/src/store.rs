@@ -95,18 +95,7 @@ fn make_client(cfg: &ClickHouseConfig, addr: &str) -> Client {
 
 /// `YYYYMMDD` (UTC) of a Unix time in µs — the partition id of a row created then.
 pub fn utc_day(epoch_us: i64) -> u32 {
-    // Howard Hinnant's civil_from_days.
-    let z = epoch_us.div_euclid(86_400_000_000) + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = if m <= 2 { y + 1 } else { y };
-    u32::try_from(y * 10_000 + m * 100 + d).unwrap_or(0)
+    tokenscope_core::time::yyyymmdd(epoch_us)
 }
 
 pub(crate) fn now_us() -> i64 {

@@ -14,6 +14,10 @@
 //!   nearest-rank percentile ([`nearest_rank`]). With the `clap` feature, `Dimension` and
 //!   `Format` are `clap::ValueEnum`s.
 //! * [`redact`] — [`redact_url`]: a URL without its password, for logs.
+//! * [`time`] — UTC calendar days and months, time formatting, and the one parser of human
+//!   durations and report bounds (built on `jiff`).
+//! * [`engine`] — the inference engines tokenscope knows ([`Engine`]) and an upstream's
+//!   configured kind ([`EngineKind`]).
 //!
 //! Invariants:
 //! * TPOT is `(t_last − t_first) / (n_out − 1)` and only exists for `n_out ≥ 2`.
@@ -22,16 +26,19 @@
 //! * Parsers never panic on any input (property-tested and fuzzed).
 #![deny(missing_docs)]
 
+pub mod engine;
 pub mod openai;
 pub mod prompt;
 pub mod query;
 pub mod record;
 pub mod redact;
 pub mod sse;
+pub mod time;
 pub mod timing;
 pub mod w3c;
 
 pub use query::{nearest_rank, nearest_rank_index, Dimension, Format, InvalidQuery, Window};
+pub use engine::{Engine, EngineKind};
 pub use record::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
 };

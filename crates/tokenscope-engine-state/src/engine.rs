@@ -38,91 +38,25 @@ use crate::exposition::{self, Exposition, Sample};
 use crate::fetch::{self, FetchError};
 use crate::{ScrapeConfig, TargetError};
 use http::Uri;
-use std::str::FromStr;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
+pub use tokenscope_core::engine::{Engine, EngineKind, UnknownKind};
 use tokio::time::MissedTickBehavior;
 
-/// An inference engine tokenscope can read state from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EngineKind {
-    /// vLLM.
-    Vllm,
-    /// SGLang.
-    Sglang,
-    /// llama.cpp's `llama-server` started with `--metrics`.
-    LlamaCpp,
-    /// Hugging Face text-generation-inference.
-    Tgi,
-}
-
-impl EngineKind {
-    /// All kinds, in detection tie-break order.
-    pub const ALL: [EngineKind; 4] = [
-        EngineKind::Vllm,
-        EngineKind::Sglang,
-        EngineKind::LlamaCpp,
-        EngineKind::Tgi,
-    ];
-
-    /// Stable name (`vllm`, `sglang`, `llamacpp`, `tgi`), as in the gateway's config.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EngineKind::Vllm => "vllm",
-            EngineKind::Sglang => "sglang",
-            EngineKind::LlamaCpp => "llamacpp",
-            EngineKind::Tgi => "tgi",
-        }
-    }
-
-    fn spec(self) -> &'static Spec {
-        match self {
-            EngineKind::Vllm => &VLLM,
-            EngineKind::Sglang => &SGLANG,
-            EngineKind::LlamaCpp => &LLAMACPP,
-            EngineKind::Tgi => &TGI,
-        }
-    }
-}
-
-/// The configured engine kind of an upstream (`auto|llamacpp|vllm|tgi|sglang|openai`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KindHint {
-    /// Detect from the metric names seen.
-    #[default]
-    Auto,
-    /// Read this engine's names only.
-    Engine(EngineKind),
-    /// An opaque OpenAI-compatible API: no engine metrics are expected, so nothing is scraped
-    /// unless a metrics URL is given explicitly (then the names are auto-detected).
-    OpenAi,
-}
-
-/// An unrecognised kind name.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown engine kind {0:?} (expected auto, llamacpp, vllm, tgi, sglang or openai)")]
-pub struct UnknownKind(pub String);
-
-impl FromStr for KindHint {
-    type Err = UnknownKind;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(match s.trim().to_ascii_lowercase().as_str() {
-            "auto" | "" => KindHint::Auto,
-            "vllm" => KindHint::Engine(EngineKind::Vllm),
-            "sglang" => KindHint::Engine(EngineKind::Sglang),
-            "llamacpp" | "llama.cpp" | "llama-cpp" => KindHint::Engine(EngineKind::LlamaCpp),
-            "tgi" => KindHint::Engine(EngineKind::Tgi),
-            "openai" => KindHint::OpenAi,
-            _ => return Err(UnknownKind(s.to_owned())),
-        })
+/// The metric names of `kind`.
+fn spec(kind: Engine) -> &'static Spec {
+    match kind {
+        Engine::Vllm => &VLLM,
+        Engine::Sglang => &SGLANG,
+        Engine::LlamaCpp => &LLAMACPP,
+        Engine::Tgi => &TGI,
     }
 }
 
 /// Where the metric names of one engine live.
 #[derive(Debug)]
 struct Spec {
-    kind: EngineKind,
+    kind: Engine,
     prefix: &'static str,
     running: &'static str,
     waiting: &'static str,
@@ -137,7 +71,7 @@ struct Spec {
 }
 
 static VLLM: Spec = Spec {
-    kind: EngineKind::Vllm,
+    kind: Engine::Vllm,
     prefix: "vllm:",
     running: "vllm:num_requests_running",
     waiting: "vllm:num_requests_waiting",
@@ -157,7 +91,7 @@ static VLLM: Spec = Spec {
 };
 
 static SGLANG: Spec = Spec {
-    kind: EngineKind::Sglang,
+    kind: Engine::Sglang,
     prefix: "sglang:",
     running: "sglang:num_running_reqs",
     waiting: "sglang:num_queue_reqs",
@@ -168,7 +102,7 @@ static SGLANG: Spec = Spec {
 };
 
 static LLAMACPP: Spec = Spec {
-    kind: EngineKind::LlamaCpp,
+    kind: Engine::LlamaCpp,
     prefix: "llamacpp:",
     running: "llamacpp:requests_processing",
     waiting: "llamacpp:requests_deferred",
@@ -182,7 +116,7 @@ static LLAMACPP: Spec = Spec {
 };
 
 static TGI: Spec = Spec {
-    kind: EngineKind::Tgi,
+    kind: Engine::Tgi,
     prefix: "tgi_",
     running: "tgi_batch_current_size",
     waiting: "tgi_queue_size",
@@ -205,7 +139,7 @@ pub struct PrefixCacheCounters {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EngineReading {
     /// The engine the names belong to.
-    pub kind: EngineKind,
+    pub kind: Engine,
     /// Requests being processed, summed over engines behind the URL.
     pub running: f64,
     /// Requests queued, summed.
@@ -236,10 +170,10 @@ pub enum NormalizeError {
 }
 
 /// Normalises one parsed exposition (pure; see the module docs for the rules).
-pub fn normalize(expo: &Exposition, hint: KindHint) -> Result<EngineReading, NormalizeError> {
+pub fn normalize(expo: &Exposition, hint: EngineKind) -> Result<EngineReading, NormalizeError> {
     let spec = match hint {
-        KindHint::Engine(kind) => {
-            let spec = kind.spec();
+        EngineKind::Engine(kind) => {
+            let spec = spec(kind);
             if !expo.samples.iter().any(|s| s.name.starts_with(spec.prefix)) {
                 return Err(NormalizeError::NoMetricsForKind {
                     kind: kind.as_str(),
@@ -248,7 +182,7 @@ pub fn normalize(expo: &Exposition, hint: KindHint) -> Result<EngineReading, Nor
             }
             spec
         }
-        KindHint::Auto | KindHint::OpenAi => {
+        EngineKind::Auto | EngineKind::OpenAi => {
             detect(expo).ok_or(NormalizeError::NoEngineMetrics {
                 samples: expo.samples.len(),
             })?
@@ -287,11 +221,11 @@ pub fn normalize(expo: &Exposition, hint: KindHint) -> Result<EngineReading, Nor
     })
 }
 
-/// The engine whose prefix has the most samples (ties in [`EngineKind::ALL`] order).
+/// The engine whose prefix has the most samples (ties in [`Engine::ALL`] order).
 fn detect(expo: &Exposition) -> Option<&'static Spec> {
     let mut best: Option<(&'static Spec, usize)> = None;
-    for kind in EngineKind::ALL {
-        let spec = kind.spec();
+    for kind in Engine::ALL {
+        let spec = spec(kind);
         let count = expo
             .samples
             .iter()
@@ -423,7 +357,7 @@ pub struct EngineTarget {
     /// A metrics URL used instead of `{base}/metrics`.
     pub metrics_url: Option<String>,
     /// The configured kind.
-    pub kind: KindHint,
+    pub kind: EngineKind,
 }
 
 impl EngineTarget {
@@ -433,7 +367,7 @@ impl EngineTarget {
             name: name.into(),
             base_url: base_url.into(),
             metrics_url: None,
-            kind: KindHint::Auto,
+            kind: EngineKind::Auto,
         }
     }
 
@@ -442,7 +376,7 @@ impl EngineTarget {
     pub fn scrape_url(&self) -> Option<String> {
         match (&self.metrics_url, self.kind) {
             (Some(url), _) => Some(url.clone()),
-            (None, KindHint::OpenAi) => None,
+            (None, EngineKind::OpenAi) => None,
             (None, _) => Some(format!("{}/metrics", self.base_url.trim_end_matches('/'))),
         }
     }
@@ -517,7 +451,7 @@ pub(crate) struct EngineValues {
     kv_usage: Option<f64>,
     hit_recent: Option<f64>,
     hit_cumulative: Option<f64>,
-    kind: EngineKind,
+    kind: Engine,
 }
 
 #[derive(Debug)]
@@ -627,7 +561,7 @@ async fn run(
     weak: Weak<EngineShared>,
     stop: tokio_util::sync::CancellationToken,
     uri: Uri,
-    hint: KindHint,
+    hint: EngineKind,
     config: ScrapeConfig,
 ) {
     let client = fetch::client(config.timeout);
@@ -707,24 +641,6 @@ mod tests {
     }
 
     #[test]
-    fn kind_hint_names() {
-        assert_eq!("auto".parse::<KindHint>(), Ok(KindHint::Auto));
-        assert_eq!(
-            "llamacpp".parse::<KindHint>(),
-            Ok(KindHint::Engine(EngineKind::LlamaCpp))
-        );
-        assert_eq!(
-            "VLLM".parse::<KindHint>(),
-            Ok(KindHint::Engine(EngineKind::Vllm))
-        );
-        assert_eq!("openai".parse::<KindHint>(), Ok(KindHint::OpenAi));
-        assert_eq!(
-            "triton".parse::<KindHint>(),
-            Err(UnknownKind("triton".to_owned()))
-        );
-    }
-
-    #[test]
     fn sums_engines_and_averages_ratios() {
         let e = expo(
             "vllm:num_requests_running{engine=\"0\",model_name=\"a\"} 3.0\n\
@@ -734,8 +650,8 @@ mod tests {
              vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"a\"} 0.6\n\
              vllm:gpu_cache_usage_perc{engine=\"0\",model_name=\"a\"} 0.9\n",
         );
-        let r = normalize(&e, KindHint::Auto).expect("vllm reading");
-        assert_eq!(r.kind, EngineKind::Vllm);
+        let r = normalize(&e, EngineKind::Auto).expect("vllm reading");
+        assert_eq!(r.kind, Engine::Vllm);
         assert_eq!(r.running, 7.0);
         assert_eq!(r.waiting, 1.0);
         let kv = r.kv_usage.expect("kv usage");
@@ -751,7 +667,7 @@ mod tests {
              vllm:gpu_prefix_cache_hits_total{model_name=\"a\"} 30\n\
              vllm:gpu_prefix_cache_queries_total{model_name=\"a\"} 120\n",
         );
-        let r = normalize(&e, KindHint::Engine(EngineKind::Vllm)).expect("vllm reading");
+        let r = normalize(&e, EngineKind::Engine(Engine::Vllm)).expect("vllm reading");
         assert_eq!(r.kv_usage, Some(0.5));
         assert_eq!(r.prefix_cache.counters, Some((30.0, 120.0)));
     }
@@ -769,18 +685,18 @@ mod tests {
              sglang:token_usage{tp_rank=\"1\"} 0.75\n\
              sglang:cache_hit_rate{tp_rank=\"0\"} 0.5\n",
         );
-        let r = normalize(&e, KindHint::Auto).expect("sglang reading");
+        let r = normalize(&e, EngineKind::Auto).expect("sglang reading");
         let with_total = expo(
             "sglang:num_running_reqs{model_name=\"q\",tp_rank=\"0\"} 8\n\
              sglang:num_running_reqs{dp_rank=\"0\",model_name=\"q\",tp_rank=\"0\"} 3\n\
              sglang:num_running_reqs{dp_rank=\"1\",model_name=\"q\",tp_rank=\"0\"} 5\n",
         );
-        let total = normalize(&with_total, KindHint::Auto).expect("sglang reading");
+        let total = normalize(&with_total, EngineKind::Auto).expect("sglang reading");
         assert_eq!(
             total.running, 8.0,
             "per-dp parts of an aggregate are not added again"
         );
-        assert_eq!(r.kind, EngineKind::Sglang);
+        assert_eq!(r.kind, Engine::Sglang);
         assert_eq!(r.running, 6.0, "tp_rank 1 replica dropped, dp_rank 1 added");
         assert_eq!(r.waiting, 2.0, "aggregate priority series only");
         assert_eq!(r.kv_usage, Some(0.25), "lowest tp rank only");
@@ -793,8 +709,8 @@ mod tests {
             "llamacpp:prompt_tokens_total 159\nllamacpp:prompt_tokens_cached_total 83\n\
              llamacpp:requests_processing 2\nllamacpp:requests_deferred 1\n",
         );
-        let r = normalize(&e, KindHint::Auto).expect("llama.cpp reading");
-        assert_eq!(r.kind, EngineKind::LlamaCpp);
+        let r = normalize(&e, EngineKind::Auto).expect("llama.cpp reading");
+        assert_eq!(r.kind, Engine::LlamaCpp);
         assert_eq!(r.prefix_cache.counters, Some((83.0, 242.0)));
         assert_eq!(r.kv_usage, None);
     }
@@ -803,19 +719,19 @@ mod tests {
     fn detection_and_missing_metrics() {
         let e = expo("python_gc_objects_collected_total{generation=\"0\"} 1\n");
         assert_eq!(
-            normalize(&e, KindHint::Auto),
+            normalize(&e, EngineKind::Auto),
             Err(NormalizeError::NoEngineMetrics { samples: 1 })
         );
         let e = expo("tgi_request_count 3\n");
         assert_eq!(
-            normalize(&e, KindHint::Engine(EngineKind::Vllm)),
+            normalize(&e, EngineKind::Engine(Engine::Vllm)),
             Err(NormalizeError::NoMetricsForKind {
                 kind: "vllm",
                 samples: 1
             })
         );
-        let r = normalize(&e, KindHint::Auto).expect("tgi detected");
-        assert_eq!(r.kind, EngineKind::Tgi);
+        let r = normalize(&e, EngineKind::Auto).expect("tgi detected");
+        assert_eq!(r.kind, Engine::Tgi);
         assert_eq!(
             (r.running, r.waiting),
             (0.0, 0.0),
@@ -824,8 +740,8 @@ mod tests {
         let mixed =
             expo("tgi_queue_size 1\nvllm:num_requests_running 1\nvllm:num_requests_waiting 2\n");
         assert_eq!(
-            normalize(&mixed, KindHint::Auto).expect("reading").kind,
-            EngineKind::Vllm
+            normalize(&mixed, EngineKind::Auto).expect("reading").kind,
+            Engine::Vllm
         );
     }
 
@@ -872,7 +788,7 @@ mod tests {
             t.scrape_url().as_deref(),
             Some("http://127.0.0.1:8000/metrics")
         );
-        t.kind = KindHint::OpenAi;
+        t.kind = EngineKind::OpenAi;
         assert_eq!(t.scrape_url(), None);
         t.metrics_url = Some("http://127.0.0.1:9000/m".to_owned());
         assert_eq!(t.scrape_url().as_deref(), Some("http://127.0.0.1:9000/m"));

@@ -35,8 +35,8 @@ mod nvml;
 
 pub use collector::register_metrics;
 pub use engine::{
-    normalize, EngineKind, EngineReading, EngineSnapshot, EngineStateHandle, EngineTarget,
-    KindHint, NormalizeError, PrefixCacheCounters, PrefixWindow, ScrapeError, UnknownKind,
+    normalize, Engine, EngineKind, EngineReading, EngineSnapshot, EngineStateHandle, EngineTarget,
+    NormalizeError, PrefixCacheCounters, PrefixWindow, ScrapeError, UnknownKind,
 };
 pub use fetch::FetchError;
 pub use gpu::{

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokenscope_engine_state::exposition;
 use tokenscope_engine_state::{
-    nvml_probe, register_metrics, EngineKind, EngineSnapshot, EngineStateHandle, EngineTarget,
-    GpuSource, GpuStateHandle, KindHint, ScrapeConfig, TargetError,
+    nvml_probe, register_metrics, Engine, EngineKind, EngineSnapshot, EngineStateHandle,
+    EngineTarget, GpuSource, GpuStateHandle, ScrapeConfig, TargetError,
 };
 
 const VLLM: &str = include_str!("fixtures/vllm_metrics.txt");
@@ -101,7 +101,7 @@ async fn eventually<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
-fn engine(name: &str, addr: SocketAddr, kind: KindHint) -> EngineStateHandle {
+fn engine(name: &str, addr: SocketAddr, kind: EngineKind) -> EngineStateHandle {
     let mut target = EngineTarget::new(name, format!("http://{addr}"));
     target.kind = kind;
     EngineStateHandle::spawn(target, fast()).expect("scraper starts")
@@ -138,7 +138,7 @@ fn gauge(parsed: &exposition::Exposition, name: &str, label: &str, value: &str) 
 #[tokio::test]
 async fn recorded_vllm_exposition_yields_the_normalised_gauges() {
     let (addr, ep) = serve(Some(VLLM), Duration::ZERO).await;
-    let handle = engine("vllm-a", addr, KindHint::Auto);
+    let handle = engine("vllm-a", addr, EngineKind::Auto);
     let snap: EngineSnapshot = eventually("a vLLM snapshot", || handle.snapshot()).await;
     assert_eq!(snap.kind, Some("vllm"));
     assert_eq!(
@@ -322,8 +322,8 @@ async fn recorded_sglang_tgi_and_llamacpp_expositions() {
     let (a, _ea) = serve(Some(SGLANG), Duration::ZERO).await;
     let (b, _eb) = serve(Some(TGI), Duration::ZERO).await;
     let (c, _ec) = serve(Some(LLAMACPP), Duration::ZERO).await;
-    let sglang = engine("sglang", a, KindHint::Auto);
-    let tgi = engine("tgi", b, KindHint::Engine(EngineKind::Tgi));
+    let sglang = engine("sglang", a, EngineKind::Auto);
+    let tgi = engine("tgi", b, EngineKind::Engine(Engine::Tgi));
     let llama = engine("llama", c, "llamacpp".parse().expect("kind name"));
 
     let s = eventually("an SGLang snapshot", || sglang.snapshot()).await;
@@ -430,7 +430,7 @@ async fn missing_endpoint_is_unknown_warns_once_and_recovers() {
     let _guard = tracing::subscriber::set_default(subscriber);
 
     let (addr, ep) = serve(None, Duration::ZERO).await;
-    let handle = engine("nometrics", addr, KindHint::Auto);
+    let handle = engine("nometrics", addr, EngineKind::Auto);
     eventually("five failed scrapes", || {
         (handle.failed_scrapes() >= 5).then_some(())
     })
@@ -502,13 +502,13 @@ async fn unreachable_slow_and_foreign_endpoints_are_unknown() {
     let refused = engine(
         "refused",
         SocketAddr::from(([127, 0, 0, 1], port)),
-        KindHint::Auto,
+        EngineKind::Auto,
     );
 
     // An endpoint slower than the timeout.
     let (slow_addr, _slow) = serve(Some(VLLM), Duration::from_secs(3)).await;
     let mut target = EngineTarget::new("slow", format!("http://{slow_addr}"));
-    target.kind = KindHint::Auto;
+    target.kind = EngineKind::Auto;
     let slow = EngineStateHandle::spawn(
         target,
         ScrapeConfig {
@@ -521,9 +521,9 @@ async fn unreachable_slow_and_foreign_endpoints_are_unknown() {
 
     // A Prometheus endpoint that is no engine, and a vLLM one read as TGI.
     let (foreign_addr, _f) = serve(Some("process_cpu_seconds_total 3.5\n"), Duration::ZERO).await;
-    let foreign = engine("foreign", foreign_addr, KindHint::Auto);
+    let foreign = engine("foreign", foreign_addr, EngineKind::Auto);
     let (vllm_addr, _v) = serve(Some(VLLM), Duration::ZERO).await;
-    let mislabelled = engine("mislabelled", vllm_addr, KindHint::Engine(EngineKind::Tgi));
+    let mislabelled = engine("mislabelled", vllm_addr, EngineKind::Engine(Engine::Tgi));
 
     for (h, needle) in [
         (&refused, "cannot reach"),
@@ -541,7 +541,7 @@ async fn unreachable_slow_and_foreign_endpoints_are_unknown() {
 async fn openai_kind_and_bad_urls_start_no_scraper() {
     let (addr, ep) = serve(Some(VLLM), Duration::ZERO).await;
     let mut target = EngineTarget::new("hosted", format!("http://{addr}"));
-    target.kind = KindHint::OpenAi;
+    target.kind = EngineKind::OpenAi;
     let handle = EngineStateHandle::spawn(target, fast()).expect("handle");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(ep.hits(), 0);
@@ -552,7 +552,7 @@ async fn openai_kind_and_bad_urls_start_no_scraper() {
 
     // With an explicit metrics URL, an openai upstream is scraped and auto-detected.
     let mut target = EngineTarget::new("hosted-with-metrics", "http://unused.invalid");
-    target.kind = KindHint::OpenAi;
+    target.kind = EngineKind::OpenAi;
     target.metrics_url = Some(format!("http://{addr}/metrics"));
     let handle = EngineStateHandle::spawn(target, fast()).expect("handle");
     let snap = eventually("a snapshot", || handle.snapshot()).await;
@@ -577,7 +577,7 @@ fn spawning_outside_a_runtime_is_an_error() {
 #[tokio::test]
 async fn dropping_every_handle_stops_the_scraper() {
     let (addr, ep) = serve(Some(TGI), Duration::ZERO).await;
-    let handle = engine("short-lived", addr, KindHint::Auto);
+    let handle = engine("short-lived", addr, EngineKind::Auto);
     eventually("a snapshot", || handle.snapshot()).await;
     drop(handle);
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -590,7 +590,7 @@ async fn dropping_every_handle_stops_the_scraper() {
     );
 
     let (addr, ep) = serve(Some(TGI), Duration::ZERO).await;
-    let handle = engine("stopped", addr, KindHint::Auto);
+    let handle = engine("stopped", addr, EngineKind::Auto);
     eventually("a snapshot", || handle.snapshot()).await;
     handle.shutdown();
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -608,7 +608,7 @@ async fn snapshots_are_read_lock_free_and_never_torn() {
     let b = "vllm:num_requests_running{engine=\"0\"} 2\nvllm:num_requests_waiting{engine=\"0\"} 20\nvllm:kv_cache_usage_perc{engine=\"0\"} 0.2\n";
     let (addr, ep) = serve(Some(a), Duration::ZERO).await;
     let mut target = EngineTarget::new("flip", format!("http://{addr}"));
-    target.kind = KindHint::Engine(EngineKind::Vllm);
+    target.kind = EngineKind::Engine(Engine::Vllm);
     let handle = EngineStateHandle::spawn(
         target,
         ScrapeConfig {

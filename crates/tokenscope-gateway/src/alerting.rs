@@ -20,7 +20,7 @@
 //!   failed POSTs.
 //! * The task ends when the gateway's shared state is dropped (shutdown).
 
-use crate::config::{ConfigError, DurationSetting};
+use crate::config::ConfigError;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -31,109 +31,19 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
-use serde::Deserialize;
 use std::collections::VecDeque;
 use std::sync::{Arc, Weak};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 use tokenscope_analysis::alerts::{
-    AlertEvaluator, AlertSample, AlertThresholds, EvaluatorOptions, Notification, NotificationState,
+    AlertEvaluator, AlertSample, EvaluatorOptions, Notification, NotificationState,
 };
 use tokenscope_core::RequestRecord;
 
 /// Notifications kept for a retry at most (the oldest go first).
 pub const OUTBOX_MAX: usize = 1000;
 
-/// `[alerts]`: the gateway evaluates the alert conditions itself and POSTs to a webhook.
-/// Off unless `webhook_url` is set. Thresholds (also used by `tokenscope export
-/// prometheus-rules --config`) are in `[alerts.thresholds]`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AlertsSection {
-    /// `http://HOST:PORT/api/v2/alerts` (Alertmanager) or any receiver of that format.
-    pub webhook_url: Option<String>,
-    /// How often the conditions are evaluated (default `15s`).
-    pub evaluation_interval: DurationSetting,
-    /// Time allowed for one POST (default `5s`).
-    pub webhook_timeout: DurationSetting,
-    /// Re-send firing alerts this often (default: never; one POST per incident).
-    pub repeat_interval: Option<DurationSetting>,
-    /// Finished requests buffered between two evaluations (default 100000).
-    pub buffer: usize,
-    /// Requests kept in the evaluation window at most (default 200000).
-    pub max_samples: usize,
-    /// `generatorURL` of the alerts (default `http://ADMIN_LISTEN/metrics`).
-    pub generator_url: Option<String>,
-    /// Thresholds and `for:` windows.
-    pub thresholds: AlertThresholds,
-}
-
-impl Default for AlertsSection {
-    fn default() -> Self {
-        Self {
-            webhook_url: None,
-            evaluation_interval: DurationSetting::Text("15s".into()),
-            webhook_timeout: DurationSetting::Text("5s".into()),
-            repeat_interval: None,
-            buffer: 100_000,
-            max_samples: 200_000,
-            generator_url: None,
-            thresholds: AlertThresholds::default(),
-        }
-    }
-}
-
-struct Settings {
-    url: http::Uri,
-    interval: Duration,
-    timeout: Duration,
-    repeat: Option<Duration>,
-}
-
-impl AlertsSection {
-    fn settings(&self) -> Result<Option<Settings>, ConfigError> {
-        let invalid = |m: String| ConfigError::Invalid(format!("alerts: {m}"));
-        self.thresholds
-            .validate()
-            .map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        let interval = self.evaluation_interval.get().map_err(invalid)?;
-        let timeout = self.webhook_timeout.get().map_err(invalid)?;
-        let repeat = match &self.repeat_interval {
-            Some(r) => Some(r.get().map_err(invalid)?),
-            None => None,
-        };
-        if interval.is_zero() || timeout.is_zero() || repeat.is_some_and(|r| r.is_zero()) {
-            return Err(invalid(
-                "evaluation_interval, webhook_timeout and repeat_interval must be > 0".into(),
-            ));
-        }
-        if self.buffer == 0 || self.max_samples == 0 {
-            return Err(invalid("buffer and max_samples must be > 0".into()));
-        }
-        let Some(url) = self.webhook_url.as_deref() else {
-            return Ok(None);
-        };
-        let uri: http::Uri = url
-            .parse()
-            .map_err(|e| invalid(format!("webhook_url {:?}: {e}", crate::redact_url(url))))?;
-        if uri.scheme_str() != Some("http") || uri.host().is_none() {
-            return Err(invalid(format!(
-                "webhook_url {:?}: only http://HOST[:PORT]/PATH is supported",
-                crate::redact_url(url)
-            )));
-        }
-        Ok(Some(Settings {
-            url: uri,
-            interval,
-            timeout,
-            repeat,
-        }))
-    }
-
-    /// Checks the section (called by `GatewayConfig::validate`).
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        self.settings().map(|_| ())
-    }
-}
+/// `[alerts]` and its checked settings live in the config crate.
+pub use tokenscope_config::{AlertSettings, AlertsSection};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabels {
@@ -225,9 +135,9 @@ fn now_us() -> i64 {
         .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
+/// RFC 3339 with milliseconds, as Alertmanager writes it (times before 1970 read as 1970).
 fn rfc3339(us: i64) -> String {
-    let t = UNIX_EPOCH + Duration::from_micros(u64::try_from(us).unwrap_or(0));
-    humantime::format_rfc3339_millis(t).to_string()
+    tokenscope_core::time::format_rfc3339_millis(us.max(0))
 }
 
 /// The Alertmanager v2 body for `notes`.
@@ -317,7 +227,7 @@ pub(crate) fn start(
 async fn run(
     feed: Weak<Feed>,
     mut evaluator: AlertEvaluator,
-    settings: Settings,
+    settings: AlertSettings,
     generator: String,
     metrics: AlertMetrics,
 ) {
@@ -374,7 +284,7 @@ async fn run(
 
 async fn post(
     client: &Client<HttpConnector, Full<Bytes>>,
-    settings: &Settings,
+    settings: &AlertSettings,
     body: String,
 ) -> Result<(), String> {
     let req = http::Request::post(settings.url.clone())
@@ -401,59 +311,6 @@ async fn post(
 mod tests {
     use super::*;
     use tokenscope_analysis::alerts::AlertInstance;
-
-    #[test]
-    fn alerts_section_validation() {
-        let s = AlertsSection::default();
-        assert!(s.settings().expect("valid").is_none());
-        let s = AlertsSection {
-            webhook_url: Some("https://am:9093/api/v2/alerts".into()),
-            ..AlertsSection::default()
-        };
-        assert!(s.validate().is_err());
-        let s = AlertsSection {
-            webhook_url: Some("http://am:9093/api/v2/alerts".into()),
-            evaluation_interval: DurationSetting::Text("0s".into()),
-            ..AlertsSection::default()
-        };
-        assert!(s.validate().is_err());
-        let s = AlertsSection {
-            webhook_url: Some("http://am:9093/api/v2/alerts".into()),
-            evaluation_interval: DurationSetting::Millis(200),
-            ..AlertsSection::default()
-        };
-        let set = s.settings().expect("valid").expect("on");
-        assert_eq!(set.interval, Duration::from_millis(200));
-    }
-
-    #[test]
-    fn alerts_section_from_file_and_env() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("gw.toml");
-        std::fs::write(
-            &path,
-            "[alerts]\nrepeat_interval = \"1m\"\n[alerts.thresholds]\nsuccess_ratio_min = 0.995\n",
-        )
-        .expect("write");
-        let env = [
-            (
-                "TOKENSCOPE_ALERTS__WEBHOOK_URL".to_owned(),
-                "http://127.0.0.1:9093/api/v2/alerts".to_owned(),
-            ),
-            (
-                "TOKENSCOPE_ALERTS__EVALUATION_INTERVAL".to_owned(),
-                "500".to_owned(),
-            ),
-        ];
-        let cfg = crate::GatewayConfig::load_with_env(Some(&path), env).expect("config");
-        let set = cfg.alerts.settings().expect("valid").expect("on");
-        assert_eq!(set.interval, Duration::from_millis(500));
-        assert_eq!(set.repeat, Some(Duration::from_secs(60)));
-        assert_eq!(cfg.alerts.thresholds.success_ratio_min, 0.995);
-        assert_eq!(cfg.alerts.thresholds.ttft_p99_seconds, 2.0);
-        std::fs::write(&path, "[alerts.thresholds]\nsuccess_ratio_min = -1.0\n").expect("write");
-        assert!(crate::GatewayConfig::load_with_env(Some(&path), []).is_err());
-    }
 
     #[test]
     fn alerts_alertmanager_body() {

@@ -9,43 +9,14 @@
 //! | TGI | response headers (router `server.rs`: whole ms) | `x-queue-time` | — | — | `x-prompt-tokens`, `x-generated-tokens` |
 //!
 //! Every phase value states its source (`engine`, `derived`, `none`). `kind = "auto"` detects
-//! the engine from what the response carries; a configured kind is trusted.
+//! the engine from what the response carries; a configured kind is trusted (the kinds:
+//! [`EngineKind`], defined in `tokenscope_core::engine`).
 
 use http::HeaderMap;
-use serde::Deserialize;
 
-/// The engine behind an upstream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineKind {
-    /// Detect from responses.
-    #[default]
-    Auto,
-    /// llama.cpp's `llama-server`.
-    Llamacpp,
-    /// vLLM.
-    Vllm,
-    /// Hugging Face text-generation-inference.
-    Tgi,
-    /// SGLang.
-    Sglang,
-    /// Any other OpenAI-compatible server (usage only).
-    Openai,
-}
-
-impl EngineKind {
-    /// Stable name stored in the `engine` column (`None` for `auto`).
-    pub fn name(self) -> Option<&'static str> {
-        match self {
-            EngineKind::Auto => None,
-            EngineKind::Llamacpp => Some("llamacpp"),
-            EngineKind::Vllm => Some("vllm"),
-            EngineKind::Tgi => Some("tgi"),
-            EngineKind::Sglang => Some("sglang"),
-            EngineKind::Openai => Some("openai"),
-        }
-    }
-}
+/// The engine enum and an upstream's configured kind live in `tokenscope-core` (one
+/// definition for the gateway, engine state and the config).
+pub use tokenscope_core::engine::{Engine, EngineKind};
 
 /// TGI's timing and token headers (all optional; TGI writes them as whole milliseconds).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

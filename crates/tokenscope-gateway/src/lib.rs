@@ -33,7 +33,8 @@ pub mod alerting;
 mod attribution;
 pub mod auth;
 mod body;
-pub mod config;
+/// The configuration (its own crate, `tokenscope-config`; `crate::config::…` paths resolve).
+pub use tokenscope_config as config;
 pub mod cost;
 pub mod dashboard;
 pub mod engine;

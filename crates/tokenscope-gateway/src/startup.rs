@@ -22,7 +22,7 @@ use hyper_util::rt::TokioExecutor;
 use std::sync::Arc;
 use std::time::Duration;
 use tokenscope_engine_state::{
-    EngineStateHandle, EngineTarget, GpuConfig, GpuStateHandle, KindHint, ScrapeConfig,
+    EngineStateHandle, EngineTarget, GpuConfig, GpuStateHandle, ScrapeConfig,
 };
 use tokenscope_store::{
     spawn_pipeline, spawn_pipeline_with_spool, DropReason, ErrorClass, LossReason, PipelineConfig,
@@ -285,15 +285,11 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
                 .parse()
                 .map_err(|e| ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)))?;
             let state = if u.scrape_interval_ms > 0 {
-                let kind = match u.kind.name() {
-                    None => KindHint::Auto,
-                    Some(k) => k.parse::<KindHint>().unwrap_or_default(),
-                };
                 let target = EngineTarget {
                     name: u.name.clone(),
                     base_url: u.url.clone(),
                     metrics_url: u.metrics_url.clone(),
-                    kind,
+                    kind: u.kind,
                 };
                 let scrape = ScrapeConfig {
                     interval: Duration::from_millis(u.scrape_interval_ms),

@@ -1001,26 +1001,7 @@ fn sort_part(dim: Dimension, label: Option<&str>) -> SortPart {
 /// Formats epoch µs as RFC 3339 UTC (`2024-01-07T00:00:00Z`; sub-second part only when
 /// non-zero).
 pub fn format_utc(us: i64) -> String {
-    let secs = us.div_euclid(1_000_000);
-    let micros = us.rem_euclid(1_000_000);
-    let days = secs.div_euclid(86_400);
-    let sod = secs.rem_euclid(86_400);
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    let (hh, mm, ss) = (sod / 3600, (sod % 3600) / 60, sod % 60);
-    if micros == 0 {
-        format!("{y:04}-{m:02}-{d:02}T{hh:02}:{mm:02}:{ss:02}Z")
-    } else {
-        format!("{y:04}-{m:02}-{d:02}T{hh:02}:{mm:02}:{ss:02}.{micros:06}Z")
-    }
+    tokenscope_core::time::format_rfc3339(us)
 }
 
 /// One field of the flat (JSON / CSV) form of a row.

@@ -98,32 +98,8 @@ impl KeptTraces {
     }
 }
 
-/// `[dashboard]`: the built-in dashboard.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DashboardSection {
-    /// Serve the dashboard and its API at `/` of the admin listener.
-    pub enabled: bool,
-    /// The admin token: required by the dashboard API, `/api/requests*`, the write routes and
-    /// (unless `[admin] ingest_token` is given) `/v1/traces` (none = open; the admin listener
-    /// is on localhost by default). See `crate::auth`.
-    pub token: Option<String>,
-    /// Link template for a kept trace, e.g. `http://jaeger:16686/trace/{trace_id}`.
-    pub trace_url: Option<String>,
-    /// Auto-refresh period of the pages, seconds (0 = off).
-    pub refresh_seconds: u64,
-}
-
-impl Default for DashboardSection {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            token: None,
-            trace_url: None,
-            refresh_seconds: 10,
-        }
-    }
-}
+/// `[dashboard]`: the built-in dashboard (its schema lives in the config crate).
+pub use tokenscope_config::DashboardSection;
 
 #[derive(Clone)]
 struct DashState {

@@ -391,7 +391,7 @@ mod tests {
                 name: "configured kind is trusted",
                 facts: |f, t0| {
                     ok(f, t0);
-                    f.kind = EngineKind::Vllm;
+                    f.kind = EngineKind::Engine(tokenscope_core::Engine::Vllm);
                     f.timings = Some(llama(None, None, None));
                 },
                 engine: Some("vllm"),

@@ -1,18 +1,39 @@
-//! Gateway configuration: TOML file, then `TOKENSCOPE_*` environment overrides, then CLI flags.
+//! # tokenscope-config
+//!
+//! The gateway's configuration: the schema ([`GatewayConfig`] and its sections), defaults,
+//! validation, and the layering of its sources. It depends on the vocabulary crates (core,
+//! analysis for prices / budgets / alert thresholds, tokenize for tokenizer entries) and on
+//! nothing that runs: the gateway, the CLI's analyses and the rule export all read it.
+//!
+//! * [`layer`] — defaults → `--config FILE` → `TOKENSCOPE_*` environment, merged and
+//!   deserialized with the origin of every value.
+//! * [`alerts`] — `[alerts]`; [`auth`] — `[admin]`, `[dashboard]` and their token checks.
 //!
 //! Precedence (lowest first): built-in defaults → `--config FILE` → environment → command-line
 //! flags (applied by the binary). Unknown keys are rejected so a typo is an error, not a silent
-//! default.
+//! default; errors name the key and where it came from (the file or the variable).
 //!
 //! Environment overrides: `TOKENSCOPE_<KEY>` sets a top-level key (`TOKENSCOPE_LISTEN`,
 //! `TOKENSCOPE_STORE`, `TOKENSCOPE_MAX_BODY_BYTES`, …) and `TOKENSCOPE_<TABLE>__<KEY>` a key in a
-//! table (`TOKENSCOPE_METRICS__USER_BUCKETS=32`). Values are read as TOML scalars (integers,
-//! floats, booleans) and fall back to strings. `TOKENSCOPE_UPSTREAM=URL` replaces the upstream
-//! list with one default upstream.
+//! table, at any depth (`TOKENSCOPE_METRICS__USER_BUCKETS=32`,
+//! `TOKENSCOPE_ALERTS__THRESHOLDS__SUCCESS_RATIO_MIN=0.99`). A value is read as the type of the
+//! key it sets: a string setting keeps `123456` as text. Variables whose first key names no
+//! top-level setting (`TOKENSCOPE_LOG`, `TOKENSCOPE_CONFIG`, scripts' own) are not the
+//! configuration's and are ignored; below a top-level setting, a key that names nothing is an
+//! error. `TOKENSCOPE_UPSTREAM=URL` replaces the upstream list with one default upstream.
 //!
 //! API keys: `[[api_keys]]` entries map a key to a tenant and business line. Give `key_sha256`
 //! (hex SHA-256 of the key) to keep raw keys out of the file; a raw `key` is accepted and hashed
 //! at load. Records only ever carry a short fingerprint (`api_key_id`), never a key.
+#![deny(missing_docs)]
+
+pub mod alerts;
+pub mod auth;
+pub mod layer;
+
+pub use alerts::{AlertSettings, AlertsSection};
+pub use auth::{AdminSection, DashboardSection};
+pub use tokenscope_core::engine::{Engine, EngineKind};
 
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -20,6 +41,8 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use tokenscope_core::redact_url;
+use tokenscope_core::time::BareNumber;
 
 /// Errors while loading or validating the configuration.
 #[derive(Debug, thiserror::Error)]
@@ -32,12 +55,22 @@ pub enum ConfigError {
         /// Cause.
         source: std::io::Error,
     },
-    /// The TOML (after environment overrides) did not parse into the schema.
+    /// The file is not TOML.
     #[error("invalid configuration: {0}")]
     Parse(String),
+    /// A value does not fit the schema (wrong type, or a key that names no setting).
+    #[error("invalid configuration: {0}")]
+    Value(layer::LayerError),
     /// A value is out of range or inconsistent.
     #[error("invalid configuration: {0}")]
     Invalid(String),
+}
+
+impl From<layer::LayerError> for ConfigError {
+    fn from(e: layer::LayerError) -> Self {
+        // Not a `source`: the message already carries the whole cause (printed once).
+        ConfigError::Value(e)
+    }
 }
 
 /// How a user becomes a metric label.
@@ -145,8 +178,9 @@ impl Default for SpoolSection {
     }
 }
 
-/// A duration setting: a string with a unit (`"2s"`, `"750ms"`, `"1m"`) or an integer number
-/// of milliseconds.
+/// A duration setting: a string with a unit (`"2s"`, `"750ms"`, `"1m"`, `"1h 30m"`; the
+/// workspace's one parser, `tokenscope_core::time::parse_duration`) or an integer number of
+/// milliseconds.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(untagged)]
 pub enum DurationSetting {
@@ -161,9 +195,11 @@ impl DurationSetting {
     pub fn get(&self) -> Result<Duration, String> {
         match self {
             DurationSetting::Millis(ms) => Ok(Duration::from_millis(*ms)),
-            DurationSetting::Text(t) => humantime::parse_duration(t.trim()).map_err(|e| {
-                format!("{t:?} is not a duration ({e}); write e.g. \"2s\" or \"750ms\"")
-            }),
+            DurationSetting::Text(t) => {
+                tokenscope_core::time::parse_duration(t, BareNumber::Reject).map_err(|e| {
+                    format!("{t:?} is not a duration ({e}); write e.g. \"2s\" or \"750ms\"")
+                })
+            }
         }
     }
 }
@@ -262,7 +298,7 @@ impl TracingSection {
             .as_deref()
             .filter(|e| !e.trim().is_empty())
         {
-            let shown = crate::redact_url(ep);
+            let shown = redact_url(ep);
             let uri: http::Uri = ep.parse().map_err(|e| {
                 ConfigError::Invalid(format!("tracing: otlp_endpoint {shown:?}: {e}"))
             })?;
@@ -292,7 +328,7 @@ pub struct UpstreamConfig {
     pub default: bool,
     /// The engine behind it (`auto`, `llamacpp`, `vllm`, `tgi`, `sglang`, `openai`).
     #[serde(default)]
-    pub kind: crate::engine::EngineKind,
+    pub kind: EngineKind,
     /// vLLM: add `"include_metrics": true` to requests, for vLLM builds that gate the
     /// per-request `metrics` object per request as well as by `--enable-per-request-metrics`.
     #[serde(default)]
@@ -467,7 +503,7 @@ pub struct GatewayConfig {
     /// OpenTelemetry traces (off unless an OTLP endpoint is set).
     pub tracing: TracingSection,
     /// The gateway's own alerting (off unless `webhook_url` is set) and alert thresholds.
-    pub alerts: crate::alerting::AlertsSection,
+    pub alerts: AlertsSection,
     /// Upstream engines, routed by model.
     pub upstreams: Vec<UpstreamConfig>,
     /// Per-model tokenizers for the entry count (`kind = "hf" | "tiktoken" | "engine"`).
@@ -482,11 +518,11 @@ pub struct GatewayConfig {
     /// Budgets per business line (`[[budgets]]`): daily or monthly, explicit or automatic.
     pub budgets: Vec<tokenscope_analysis::budget::BudgetConfig>,
     /// The built-in dashboard (`[dashboard]`; its `token` is the admin token).
-    pub dashboard: crate::dashboard::DashboardSection,
+    pub dashboard: DashboardSection,
     /// Connection caps, client timeouts and size limits (`[limits]`).
     pub limits: LimitsSection,
     /// Access to the admin listener and limits of its write routes (`[admin]`).
-    pub admin: crate::auth::AdminSection,
+    pub admin: AdminSection,
 }
 
 impl Default for GatewayConfig {
@@ -513,16 +549,16 @@ impl Default for GatewayConfig {
             spool: SpoolSection::default(),
             gpu: GpuSection::default(),
             tracing: TracingSection::default(),
-            alerts: crate::alerting::AlertsSection::default(),
+            alerts: AlertsSection::default(),
             upstreams: Vec::new(),
             tokenizers: Vec::new(),
             token_mismatch_tolerance: 0.02,
             api_keys: Vec::new(),
             prices: Vec::new(),
             budgets: Vec::new(),
-            dashboard: crate::dashboard::DashboardSection::default(),
+            dashboard: DashboardSection::default(),
             limits: LimitsSection::default(),
-            admin: crate::auth::AdminSection::default(),
+            admin: AdminSection::default(),
         }
     }
 }
@@ -550,63 +586,41 @@ impl GatewayConfig {
         file: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let mut doc: toml::Table = match file {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-                    path: path.to_owned(),
-                    source,
-                })?;
-                text.parse::<toml::Table>()
-                    .map_err(|e| ConfigError::Parse(format!("{}: {e}", path.display())))?
-            }
-            None => toml::Table::new(),
-        };
-        let mut upstream_env = None;
-        for (k, v) in env {
-            let Some(rest) = k.strip_prefix("TOKENSCOPE_") else {
-                continue;
-            };
-            if rest == "UPSTREAM" {
-                upstream_env = Some(v);
-                continue;
-            }
-            let key = rest.to_ascii_lowercase();
-            let known = match key.split_once("__") {
-                Some((table, _)) => ENV_TABLES.contains(&table),
-                None => ENV_KEYS.contains(&key.as_str()),
-            };
-            if !known {
-                // Other TOKENSCOPE_* variables belong to scripts and tests, not to the gateway.
-                continue;
-            }
-            // A token is text even when it looks like a number (`…__TOKEN=123456`).
-            let value = if key.ends_with("token") {
-                toml::Value::String(v)
-            } else {
-                parse_scalar(&v)
-            };
-            match key.split_once("__") {
-                Some((table, field)) => {
-                    let t = doc
-                        .entry(table.to_owned())
-                        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-                    if let Some(t) = t.as_table_mut() {
-                        t.insert(field.to_owned(), value);
-                    }
-                }
-                None => {
-                    doc.insert(key, value);
-                }
-            }
+        let mut layers = layer::Layers::default();
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                path: path.to_owned(),
+                source,
+            })?;
+            let doc = text
+                .parse::<toml::Table>()
+                .map_err(|e| ConfigError::Parse(format!("{}: {e}", path.display())))?;
+            layers = layers.file(path, doc);
         }
-        let mut cfg: GatewayConfig = doc
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::Parse(e.to_string()))?;
+        let mut upstream_env = None;
+        let env: Vec<(String, String)> = env
+            .into_iter()
+            .filter(|(k, v)| {
+                if k == "TOKENSCOPE_UPSTREAM" {
+                    upstream_env = Some(v.clone());
+                    return false;
+                }
+                true
+            })
+            .collect();
+        layers = layers.env(env, Self::keys());
+        let mut cfg: GatewayConfig = layers.extract()?;
         if let Some(url) = upstream_env {
             cfg.set_single_upstream(&url);
         }
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The top-level keys, read from the schema: the `TOKENSCOPE_<KEY>` variables the
+    /// configuration owns.
+    pub fn keys() -> &'static [&'static str] {
+        layer::top_level_keys::<GatewayConfig>()
     }
 
     /// Replaces the upstream list with one default upstream at `url`.
@@ -616,7 +630,7 @@ impl GatewayConfig {
             url: url.trim_end_matches('/').to_owned(),
             models: vec!["*".into()],
             default: true,
-            kind: crate::engine::EngineKind::Auto,
+            kind: EngineKind::Auto,
             request_metrics: false,
             metrics_url: None,
             scrape_interval_ms: default_scrape_interval_ms(),
@@ -670,13 +684,13 @@ impl GatewayConfig {
                 return Err(ConfigError::Invalid(format!(
                     "upstream {:?}: only http:// upstreams are supported (got {})",
                     u.name,
-                    crate::redact_url(&u.url)
+                    redact_url(&u.url)
                 )));
             }
         }
         self.tracing.validate()?;
         self.alerts.validate()?;
-        crate::auth::validate(self).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        auth::validate(self).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         for k in &self.api_keys {
             if k.key.is_none() && k.key_sha256.is_none() {
                 return Err(ConfigError::Invalid(
@@ -723,53 +737,6 @@ impl GatewayConfig {
 /// Hex SHA-256 of a string.
 pub fn sha256_hex(s: &str) -> String {
     tokenscope_core::prompt::hex(&Sha256::digest(s.as_bytes()))
-}
-
-/// Top-level keys settable as `TOKENSCOPE_<KEY>`.
-const ENV_KEYS: &[&str] = &[
-    "listen",
-    "admin_listen",
-    "store",
-    "max_body_bytes",
-    "connect_timeout_ms",
-    "upstream_timeout_ms",
-    "stream_idle_timeout_ms",
-    "upstream_idle_timeout_ms",
-    "shutdown_grace_ms",
-    "inject_stream_usage",
-    "store_prompts",
-    "max_response_parse_bytes",
-    "max_sse_event_bytes",
-    "recent_records",
-    "worker_threads",
-    "worker_priority",
-    "token_mismatch_tolerance",
-];
-/// Tables whose keys are settable as `TOKENSCOPE_<TABLE>__<KEY>`.
-const ENV_TABLES: &[&str] = &[
-    "metrics",
-    "pipeline",
-    "spool",
-    "gpu",
-    "tracing",
-    "alerts",
-    "dashboard",
-    "limits",
-    "admin",
-];
-
-fn parse_scalar(v: &str) -> toml::Value {
-    if let Ok(i) = v.parse::<i64>() {
-        return toml::Value::Integer(i);
-    }
-    if let Ok(f) = v.parse::<f64>() {
-        return toml::Value::Float(f);
-    }
-    match v {
-        "true" => toml::Value::Boolean(true),
-        "false" => toml::Value::Boolean(false),
-        _ => toml::Value::String(v.to_owned()),
-    }
 }
 
 #[cfg(test)]
@@ -943,5 +910,197 @@ tenant = "search"
         let cfg = GatewayConfig::load_with_env(None, env).expect("valid");
         assert_eq!(cfg.upstreams[0].url, "http://127.0.0.1:1");
         assert!(cfg.upstreams[0].serves("anything"));
+    }
+
+    fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn env_values_take_the_type_of_their_key() {
+        let cfg = GatewayConfig::load_with_env(
+            None,
+            vars(&[
+                ("TOKENSCOPE_DASHBOARD__TOKEN", "123456"),
+                ("TOKENSCOPE_ADMIN__INGEST_TOKEN", "1.50"),
+                ("TOKENSCOPE_SPOOL__DIR", "2024"),
+                ("TOKENSCOPE_TRACING__SERVICE_NAME", "true"),
+                ("TOKENSCOPE_STORE", "42"),
+                ("TOKENSCOPE_MAX_BODY_BYTES", "2048"),
+                ("TOKENSCOPE_TOKEN_MISMATCH_TOLERANCE", "0.5"),
+                ("TOKENSCOPE_SPOOL__FSYNC", "false"),
+                ("TOKENSCOPE_METRICS__USER_LABEL", "top_k"),
+            ]),
+        )
+        .expect("valid");
+        assert_eq!(cfg.dashboard.token.as_deref(), Some("123456"));
+        assert_eq!(cfg.admin.ingest_token.as_deref(), Some("1.50"));
+        assert_eq!(cfg.spool.dir.as_deref(), Some("2024"));
+        assert_eq!(cfg.tracing.service_name, "true");
+        assert_eq!(cfg.store, "42");
+        assert_eq!(cfg.max_body_bytes, 2048);
+        assert_eq!(cfg.token_mismatch_tolerance, 0.5);
+        assert!(!cfg.spool.fsync);
+        assert_eq!(cfg.metrics.user_label, UserLabel::TopK);
+    }
+
+    #[test]
+    fn env_reaches_nested_tables_at_any_depth() {
+        let mut f = tempfile::NamedTempFile::new().expect("tmp");
+        writeln!(
+            f,
+            "[alerts.thresholds]\nttft_p99_seconds = 3.0\n[tracing.headers]\nx-team = \"infra\""
+        )
+        .expect("write");
+        let cfg = GatewayConfig::load_with_env(
+            Some(f.path()),
+            vars(&[
+                ("TOKENSCOPE_ALERTS__THRESHOLDS__SUCCESS_RATIO_MIN", "0.9"),
+                ("TOKENSCOPE_LIMITS__MAX_CONNECTIONS", "100"),
+                ("TOKENSCOPE_TRACING__HEADERS__AUTHORIZATION", "Bearer 123"),
+                (
+                    "TOKENSCOPE_UPSTREAMS",
+                    r#"[{ name = "a", url = "http://127.0.0.1:1" }]"#,
+                ),
+            ]),
+        )
+        .expect("valid");
+        // The file's key beside the environment's in the same table: tables merge.
+        assert_eq!(cfg.alerts.thresholds.ttft_p99_seconds, 3.0);
+        assert_eq!(cfg.alerts.thresholds.success_ratio_min, 0.9);
+        assert_eq!(cfg.limits.max_connections, 100);
+        assert_eq!(
+            cfg.tracing.headers.get("authorization").map(String::as_str),
+            Some("Bearer 123")
+        );
+        assert_eq!(
+            cfg.tracing.headers.get("x-team").map(String::as_str),
+            Some("infra")
+        );
+        assert_eq!(cfg.upstreams.len(), 1);
+        assert_eq!(cfg.upstreams[0].name, "a");
+    }
+
+    #[test]
+    fn env_keys_come_from_the_schema() {
+        let keys = GatewayConfig::keys();
+        for k in [
+            "listen",
+            "store",
+            "worker_priority",
+            "metrics",
+            "limits",
+            "alerts",
+            "admin",
+            "dashboard",
+            "upstreams",
+            "budgets",
+        ] {
+            assert!(keys.contains(&k), "{k} missing from {keys:?}");
+        }
+        // Every top-level key is the configuration's: a key below it that names nothing is an
+        // error naming the variable.
+        for k in keys {
+            let var = format!("TOKENSCOPE_{}__NO_SUCH_KEY", k.to_ascii_uppercase());
+            let err = GatewayConfig::load_with_env(None, vec![(var.clone(), "1".into())])
+                .expect_err("unknown nested key");
+            assert!(err.to_string().contains(&var), "{k}: {err}");
+        }
+        // Variables that name no top-level key belong to scripts and the command line.
+        let cfg = GatewayConfig::load_with_env(
+            None,
+            vars(&[
+                ("TOKENSCOPE_LOG", "debug"),
+                ("TOKENSCOPE_CONFIG", "/nope.toml"),
+                ("TOKENSCOPE_REQUIRE_ENGINE", "1"),
+            ]),
+        );
+        assert!(cfg.is_ok(), "{cfg:?}");
+    }
+
+    #[test]
+    fn errors_name_the_key_and_its_source() {
+        let err = GatewayConfig::load_with_env(
+            None,
+            vars(&[("TOKENSCOPE_METRICS__USER_BUCKETS", "many")]),
+        )
+        .expect_err("not a number")
+        .to_string();
+        assert!(err.contains("`metrics.user_buckets`"), "{err}");
+        assert!(
+            err.contains("environment variable TOKENSCOPE_METRICS__USER_BUCKETS"),
+            "{err}"
+        );
+        let err = GatewayConfig::load_with_env(None, vars(&[("TOKENSCOPE_STORE_PROMPTS", "yes")]))
+            .expect_err("not a boolean")
+            .to_string();
+        assert!(
+            err.contains("`store_prompts`") && err.contains("TOKENSCOPE_STORE_PROMPTS"),
+            "{err}"
+        );
+        let err = GatewayConfig::load_with_env(
+            None,
+            vars(&[("TOKENSCOPE_ALERTS__THRESHOLDS__NOPE", "1")]),
+        )
+        .expect_err("unknown key")
+        .to_string();
+        assert!(err.contains("`alerts.thresholds.nope`"), "{err}");
+
+        let mut f = tempfile::NamedTempFile::new().expect("tmp");
+        writeln!(f, "[metrics]\nuser_buckets = \"x\"").expect("write");
+        let err = GatewayConfig::load_with_env(Some(f.path()), Vec::new())
+            .expect_err("wrong type")
+            .to_string();
+        assert!(err.contains("`metrics.user_buckets`"), "{err}");
+        assert!(
+            err.contains(&format!("file {}", f.path().display())),
+            "{err}"
+        );
+        let mut f = tempfile::NamedTempFile::new().expect("tmp");
+        writeln!(f, "[limits]\nnope = 1").expect("write");
+        let err = GatewayConfig::load_with_env(Some(f.path()), Vec::new())
+            .expect_err("unknown key")
+            .to_string();
+        assert!(
+            err.contains("`limits.nope`") && err.contains("unknown field"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn precedence_defaults_file_env() {
+        let default = GatewayConfig::default();
+        let mut f = tempfile::NamedTempFile::new().expect("tmp");
+        writeln!(
+            f,
+            "max_body_bytes = 100\nlisten = \"127.0.0.1:5001\"\n[pipeline]\nbatch_size = 7"
+        )
+        .expect("write");
+        let env = vars(&[
+            ("TOKENSCOPE_MAX_BODY_BYTES", "200"),
+            ("TOKENSCOPE_PIPELINE__CAPACITY", "99"),
+        ]);
+        let none = GatewayConfig::load_with_env(None, Vec::new()).expect("defaults");
+        assert_eq!(none.max_body_bytes, default.max_body_bytes);
+        let file = GatewayConfig::load_with_env(Some(f.path()), Vec::new()).expect("file");
+        assert_eq!(file.max_body_bytes, 100);
+        assert_eq!(file.pipeline.capacity, default.pipeline.capacity);
+        let both = GatewayConfig::load_with_env(Some(f.path()), env).expect("file + env");
+        assert_eq!(
+            both.max_body_bytes, 200,
+            "the environment wins over the file"
+        );
+        assert_eq!(
+            both.listen, "127.0.0.1:5001",
+            "the file wins over the defaults"
+        );
+        assert_eq!((both.pipeline.batch_size, both.pipeline.capacity), (7, 99));
+        assert_eq!(
+            both.pipeline.flush_interval_ms,
+            default.pipeline.flush_interval_ms
+        );
     }
 }

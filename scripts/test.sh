@@ -5,7 +5,11 @@
 #    clickhouse-server (Debian, scripts/install-clickhouse.sh), llama.cpp's server and a small
 #    GGUF model (scripts/install-llama.sh, cached outside the clone), headless Chromium +
 #    chromedriver (Debian) with Selenium for the dashboard tests;
-# 2. checks formatting and lints (cargo fmt, clippy -D warnings);
+#    cargo-deny and cargo-machete (cargo install --locked, cached in $TOKENSCOPE_CACHE/cargo-tools);
+# 2. checks formatting and lints (cargo fmt, clippy -D warnings), that the workspace builds
+#    without its optional parts (--no-default-features), the dependency policy (cargo deny:
+#    licenses, bans, sources; advisories only from a vendored database, see deny.toml) and
+#    that no crate declares a dependency it does not use (cargo machete);
 # 3. builds and runs every test, including the real-engine ones.
 #
 # Environment:
@@ -26,6 +30,23 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 if [ -n "${CI:-}" ]; then export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"; fi
 mkdir -p "$TOKENSCOPE_CACHE"
 step() { printf '\n==> %s (%s)\n' "$*" "$(date -u +%H:%M:%S)"; }
+
+# Cargo tools for the dependency checks, pinned, installed once into the cache.
+CARGO_TOOLS="$TOKENSCOPE_CACHE/cargo-tools"
+export PATH="$CARGO_TOOLS/bin:$PATH"
+CARGO_DENY_VERSION=0.20.2
+CARGO_MACHETE_VERSION=0.9.2
+# install_tool CRATE VERSION: cargo install --locked into $CARGO_TOOLS unless the command is
+# already there; says why when it cannot (offline without a registry mirror).
+install_tool() {
+  if command -v "$1" >/dev/null 2>&1; then return 0; fi
+  step "installing $1 $2 (cargo install --locked, cached in $CARGO_TOOLS)"
+  if ! CARGO_TARGET_DIR="$CARGO_TOOLS/target" cargo install --locked --quiet \
+      --root "$CARGO_TOOLS" --version "$2" "$1"; then
+    echo "could not install $1 $2 (offline?): its check will be skipped" >&2
+  fi
+  rm -rf "$CARGO_TOOLS/target"
+}
 
 if [ "${SKIP_INSTALL:-0}" != "1" ]; then
   if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
@@ -57,6 +78,8 @@ if [ "${SKIP_INSTALL:-0}" != "1" ]; then
   bash crates/tokenscope-tokenize/scripts/fetch-fixtures.sh > "$TOKENSCOPE_CACHE/fetch-fixtures.log" 2>&1 \
     || { cat "$TOKENSCOPE_CACHE/fetch-fixtures.log" >&2; exit 1; }
   export TOKENSCOPE_REQUIRE_FIXTURES="${TOKENSCOPE_REQUIRE_FIXTURES:-1}"
+  install_tool cargo-deny "$CARGO_DENY_VERSION"
+  install_tool cargo-machete "$CARGO_MACHETE_VERSION"
   export TOKENSCOPE_REQUIRE_ENGINE="${TOKENSCOPE_REQUIRE_ENGINE:-1}"
   export TOKENSCOPE_REQUIRE_PROMTOOL="${TOKENSCOPE_REQUIRE_PROMTOOL:-1}"
   export TOKENSCOPE_REQUIRE_PROMETHEUS="${TOKENSCOPE_REQUIRE_PROMETHEUS:-1}"
@@ -67,6 +90,30 @@ cargo fmt --all -- --check
 
 step "cargo clippy (all targets, -D warnings)"
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+
+step "cargo check without the optional parts (--no-default-features: no tokenizers, tiktoken, gRPC)"
+cargo check --workspace --no-default-features --quiet
+
+if command -v cargo-deny >/dev/null 2>&1; then
+  step "cargo deny: licenses, bans, sources (deny.toml)"
+  cargo deny --offline check licenses bans sources
+  ADVISORY_DBS="${CARGO_HOME:-$HOME/.cargo}/advisory-dbs"
+  if compgen -G "$ADVISORY_DBS/advisory-db-*" >/dev/null; then
+    step "cargo deny: advisories (vendored database in $ADVISORY_DBS, not fetched)"
+    cargo deny --offline check advisories
+  else
+    echo "cargo deny advisories: SKIPPED — no advisory database in $ADVISORY_DBS (this machine cannot fetch one; see deny.toml)"
+  fi
+else
+  echo "cargo deny: SKIPPED — cargo-deny is not installed and could not be (SKIP_INSTALL=1 or offline)"
+fi
+
+if command -v cargo-machete >/dev/null 2>&1; then
+  step "cargo machete: no unused dependencies"
+  cargo machete
+else
+  echo "cargo machete: SKIPPED — cargo-machete is not installed and could not be (SKIP_INSTALL=1 or offline)"
+fi
 
 step "building tests"
 cargo test --workspace --no-run --quiet

@@ -4,30 +4,26 @@
 //!   retried: the rows collapse by key (`FINAL`). If the table or database is missing (dropped
 //!   by an operator), the sink logs "table … does not exist — recreating", runs
 //!   [`ClickHouseStore::migrate`] and retries the insert once, inside the same call.
-//! * **Late engine values** (`apply_updates`, [`PhaseUpdate`] joined by trace id): the rows
-//!   with the update's trace id are found in a bounded cache of recently written records
-//!   ([`DEFAULT_CACHE_ROWS`], oldest evicted first), else by one query per 500 trace ids
-//!   (`… FINAL WHERE trace_id IN (…)`, restricted to rows created in the last
-//!   [`DEFAULT_LOOKBACK`]); each is updated with [`RequestRecord::apply_update`] (the rule every
-//!   store shares) and re-inserted with `row_version + 1`, so the `ReplacingMergeTree` keeps
-//!   the updated row. An update that changes nothing is not re-inserted. Applying an update
-//!   twice gives the same row.
-//! * An update whose row is not found yet waits in [`PendingUpdates`] (bounded, TTL) and is
-//!   applied to the record inside a later `write_batch`, before it is inserted (that row is
-//!   written with version 2); it is removed from the map only once that insert succeeded, so a
-//!   failed batch is retried with it. Same semantics as the SQLite sink.
+//! * **Late engine values** (`apply_updates`, [`PhaseUpdate`] joined by trace id) follow
+//!   [`tokenscope_store::late`] — the rule, merging, waiting and the insert-time join, shared
+//!   with the SQLite store. This sink supplies the I/O ([`LateRows`]): the rows of a trace
+//!   are found in a bounded cache of recently written records ([`DEFAULT_CACHE_ROWS`], oldest
+//!   evicted first), else by one query per 500 trace ids (`… FINAL WHERE trace_id IN (…)`,
+//!   restricted to rows created in the last [`DEFAULT_LOOKBACK`]); a row the rule changed is
+//!   re-inserted with `row_version + 1`, so the `ReplacingMergeTree` keeps the updated row (an
+//!   unchanged one is not re-inserted). A record that gets a waiting update before its first
+//!   insert is written with version 2.
 //!
 //! Caveat: the cache only knows rows this sink wrote. If two gateways apply *different*
 //! updates to the same row at the same time, both write the same next version and either may
 //! win; send a request's engine spans to the gateway that served it (the usual deployment:
 //! the engine exports to its own gateway) to avoid that.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use tokenscope_core::{PhaseUpdate, RequestRecord};
-use tokenscope_store::pending::merge;
-use tokenscope_store::{PendingUpdates, RecordSink, StoreError, UnmatchedCounts};
+use tokenscope_store::{LateRows, LateUpdates, RecordSink, StoreError, UnmatchedCounts};
 
 use crate::store::now_us;
 use crate::{ClickHouseError, ClickHouseStore};
@@ -95,7 +91,7 @@ impl RecentRows {
 pub struct ClickHouseSink {
     store: ClickHouseStore,
     cache: RecentRows,
-    pending: PendingUpdates,
+    late: LateUpdates,
     lookback: Duration,
     /// Errors recovered from inside a write (a recreated table), for the pipeline's metrics.
     recovered: Vec<ClickHouseError>,
@@ -108,7 +104,7 @@ impl ClickHouseSink {
         Self {
             store,
             cache: RecentRows::new(DEFAULT_CACHE_ROWS),
-            pending: PendingUpdates::default(),
+            late: LateUpdates::default(),
             lookback: DEFAULT_LOOKBACK,
             recovered: Vec::new(),
         }
@@ -127,14 +123,14 @@ impl ClickHouseSink {
         self
     }
 
-    /// Sets the pending map's limits (see [`PendingUpdates::set_limits`]).
+    /// Sets the pending map's limits (see [`LateUpdates::set_limits`]).
     pub fn set_pending_limits(&mut self, capacity: usize, ttl: Duration) {
-        self.pending.set_limits(capacity, ttl);
+        self.late.set_limits(capacity, ttl);
     }
 
     /// Updates waiting for their row.
     pub fn pending_updates(&self) -> usize {
-        self.pending.len()
+        self.late.waiting()
     }
 
     /// Rows held in the recent-rows cache.
@@ -147,161 +143,108 @@ impl ClickHouseSink {
         &self.store
     }
 
-    /// Inserts, recreating a missing table once.
-    fn insert_with_repair(&mut self, rows: &[(RequestRecord, u64)]) -> Result<(), ClickHouseError> {
-        match self
-            .store
-            .insert_versioned(rows.iter().map(|(r, v)| (r, *v)))
-        {
-            Err(e) if e.is_missing_schema() => {
-                tracing::warn!(
-                    error = %e,
-                    "table {} does not exist — recreating",
-                    self.store.config().table()
-                );
-                self.store.migrate()?;
-                // Recovered here, but still an error worth counting (see take_recovered).
-                self.recovered.push(e);
-                self.store
-                    .insert_versioned(rows.iter().map(|(r, v)| (r, *v)))
-            }
-            other => other,
-        }
-    }
-
-    /// Writes a batch (see [`RecordSink::write_batch`]).
+    /// Writes a batch (see [`RecordSink::write_batch`]), with the updates waiting for its
+    /// records joined in.
     pub fn write(&mut self, batch: &[RequestRecord]) -> Result<(), ClickHouseError> {
         if batch.is_empty() {
             return Ok(());
         }
-        let mut matched: HashSet<&str> = HashSet::new();
-        let rows: Vec<(RequestRecord, u64)> = batch
+        let joined = self.late.join(batch);
+        let rows: Vec<(RequestRecord, u64)> = joined
+            .records()
             .iter()
-            .map(|r| match self.pending.get(&r.trace_id) {
-                Some(u) if !r.trace_id.is_empty() => {
-                    matched.insert(&r.trace_id);
-                    let mut r = r.clone();
-                    r.apply_update(u);
-                    (r, 2)
-                }
-                _ => (r.clone(), 1),
-            })
+            .enumerate()
+            .map(|(i, r)| (r.clone(), if joined.is_joined(i) { 2 } else { 1 }))
             .collect();
-        self.insert_with_repair(&rows)?;
-        for id in matched {
-            self.pending.take(id);
-        }
+        insert_with_repair(&self.store, &mut self.recovered, &rows)?;
+        self.late.inserted(&joined);
         for (r, v) in rows {
             self.cache.put(r, v);
         }
         Ok(())
     }
 
-    /// Applies late engine values (see the module docs); returns how many updates found
+    /// Applies late engine values (see the module docs); returns how many trace ids found
     /// their row(s) now.
     pub fn update(&mut self, updates: &[PhaseUpdate]) -> Result<usize, ClickHouseError> {
-        let now = Instant::now();
-        self.pending.expire(now);
-        // One merged update per trace id, including what already waited for it.
-        let mut merged: Vec<PhaseUpdate> = Vec::new();
-        let mut index: HashMap<String, usize> = HashMap::new();
-        for u in updates {
-            if u.trace_id.is_empty() {
-                continue;
-            }
-            let u = &sanitize(u);
-            match index.get(&u.trace_id) {
-                Some(&i) => merge(&mut merged[i], u.clone()),
-                None => {
-                    let mut m =
-                        self.pending
-                            .get(&u.trace_id)
-                            .cloned()
-                            .unwrap_or_else(|| PhaseUpdate {
-                                trace_id: u.trace_id.clone(),
-                                ..PhaseUpdate::default()
-                            });
-                    merge(&mut m, u.clone());
-                    index.insert(u.trace_id.clone(), merged.len());
-                    merged.push(m);
-                }
-            }
-        }
-        if merged.is_empty() {
-            return Ok(0);
-        }
-        // Current rows: cache first, then one query for the rest.
-        let mut current: HashMap<String, Vec<(RequestRecord, u64)>> = HashMap::new();
-        let mut missing: Vec<&str> = Vec::new();
-        for u in &merged {
-            match self.cache.get(&u.trace_id) {
-                Some(rows) if !rows.is_empty() => {
-                    current.insert(u.trace_id.clone(), rows.clone());
-                }
-                _ => missing.push(&u.trace_id),
-            }
-        }
-        if !missing.is_empty() {
-            let lookback_us = i64::try_from(self.lookback.as_micros()).unwrap_or(i64::MAX);
-            let since = now_us().saturating_sub(lookback_us);
-            for (r, v) in self.store.rows_by_trace(&missing, since)? {
-                current.entry(r.trace_id.clone()).or_default().push((r, v));
-            }
-        }
-        let mut writes: Vec<(RequestRecord, u64)> = Vec::new();
-        let mut applied: Vec<String> = Vec::new();
-        let mut unmatched: Vec<PhaseUpdate> = Vec::new();
-        for u in merged {
-            match current.get(&u.trace_id) {
-                Some(rows) => {
-                    for (r, v) in rows {
-                        let mut nr = r.clone();
-                        nr.apply_update(&u);
-                        if nr != *r {
-                            writes.push((nr, v + 1));
-                        }
-                    }
-                    applied.push(u.trace_id);
-                }
-                None => unmatched.push(u),
-            }
-        }
-        if !writes.is_empty() {
-            self.insert_with_repair(&writes)?;
-        }
-        for (r, v) in writes {
-            self.cache.put(r, v);
-        }
-        for id in &applied {
-            self.pending.take(id);
-        }
-        for u in unmatched {
-            self.pending.insert(u, now);
-        }
-        Ok(applied.len())
+        let lookback_us = i64::try_from(self.lookback.as_micros()).unwrap_or(i64::MAX);
+        let mut rows = VersionedRows {
+            store: &self.store,
+            cache: &mut self.cache,
+            recovered: &mut self.recovered,
+            since_us: now_us().saturating_sub(lookback_us),
+        };
+        self.late.apply(updates, &mut rows, Instant::now())
     }
 
     /// Updates given up on since the last call (see [`RecordSink::take_unmatched`]).
     pub fn unmatched(&mut self, shutting_down: bool) -> UnmatchedCounts {
-        self.pending.expire(Instant::now());
-        if shutting_down {
-            self.pending.drain_all();
-        }
-        self.pending.take_unmatched()
+        self.late.take_unmatched(shutting_down, Instant::now())
     }
 }
 
-/// Drops durations that are not a finite, non-negative number of milliseconds (so a bad value
-/// never overwrites a good one in a merge).
-fn sanitize(u: &PhaseUpdate) -> PhaseUpdate {
-    let ok = |v: Option<f64>| v.filter(|m| m.is_finite() && *m >= 0.0);
-    PhaseUpdate {
-        trace_id: u.trace_id.clone(),
-        queue_duration_ms: ok(u.queue_duration_ms),
-        prefill_duration_ms: ok(u.prefill_duration_ms),
-        decode_duration_ms: ok(u.decode_duration_ms),
-        input_tokens: u.input_tokens,
-        output_tokens: u.output_tokens,
+/// Inserts `rows` with their versions, recreating a missing table once (the error is kept in
+/// `recovered` for the pipeline's metrics).
+fn insert_with_repair(
+    store: &ClickHouseStore,
+    recovered: &mut Vec<ClickHouseError>,
+    rows: &[(RequestRecord, u64)],
+) -> Result<(), ClickHouseError> {
+    match store.insert_versioned(rows.iter().map(|(r, v)| (r, *v))) {
+        Err(e) if e.is_missing_schema() => {
+            tracing::warn!(
+                error = %e,
+                "table {} does not exist — recreating",
+                store.config().table()
+            );
+            store.migrate()?;
+            // Recovered here, but still an error worth counting (see take_recovered).
+            recovered.push(e);
+            store.insert_versioned(rows.iter().map(|(r, v)| (r, *v)))
+        }
+        other => other,
+    }
+}
+
+/// This sink's I/O for late updates (see the module docs): rows from the recent-rows cache,
+/// else one query; a changed row is re-inserted with the next version.
+struct VersionedRows<'s> {
+    store: &'s ClickHouseStore,
+    cache: &'s mut RecentRows,
+    recovered: &'s mut Vec<ClickHouseError>,
+    /// Rows created before this (epoch µs) are not looked up.
+    since_us: i64,
+}
+
+impl LateRows for VersionedRows<'_> {
+    type Tag = u64;
+    type Error = ClickHouseError;
+
+    fn find(&mut self, trace_ids: &[&str]) -> Result<Vec<(RequestRecord, u64)>, ClickHouseError> {
+        let mut rows = Vec::new();
+        let mut missing: Vec<&str> = Vec::new();
+        for id in trace_ids {
+            match self.cache.get(id) {
+                Some(cached) if !cached.is_empty() => rows.extend(cached.iter().cloned()),
+                _ => missing.push(id),
+            }
+        }
+        if !missing.is_empty() {
+            rows.extend(self.store.rows_by_trace(&missing, self.since_us)?);
+        }
+        Ok(rows)
+    }
+
+    fn write(&mut self, changed: Vec<(RequestRecord, u64)>) -> Result<(), ClickHouseError> {
+        let rows: Vec<(RequestRecord, u64)> =
+            changed.into_iter().map(|(r, v)| (r, v + 1)).collect();
+        if !rows.is_empty() {
+            insert_with_repair(self.store, self.recovered, &rows)?;
+        }
+        for (r, v) in rows {
+            self.cache.put(r, v);
+        }
+        Ok(())
     }
 }
 

@@ -362,8 +362,8 @@ pub struct RequestRecord {
 }
 
 /// Engine-side phase values that arrive after the record was written (OTLP spans from vLLM or
-/// SGLang), joined to the record by trace id. `None` fields leave the stored value unchanged;
-/// every `Some` phase is stored with source `engine`.
+/// SGLang), joined to the record by trace id. `None` fields leave the stored value unchanged.
+/// What a `Some` field does is [`RequestRecord::apply_update`]'s rule, the only statement of it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct PhaseUpdate {
     /// Trace id (32 lower-case hex) shared by the gateway's record and the engine's span.
@@ -374,12 +374,50 @@ pub struct PhaseUpdate {
     pub prefill_duration_ms: Option<f64>,
     /// Engine decode time, ms.
     pub decode_duration_ms: Option<f64>,
-    /// Engine-side prompt tokens: replace `input_tokens` unless its source is `usage` or
-    /// `engine` (then source `engine`, and the input bucket follows).
+    /// Engine-side prompt tokens (see [`RequestRecord::apply_update`]).
     pub input_tokens: Option<u64>,
-    /// Engine-side completion tokens: replace `output_tokens` unless its source is `usage` or
-    /// `engine` (then source `engine`).
+    /// Engine-side completion tokens (see [`RequestRecord::apply_update`]).
     pub output_tokens: Option<u64>,
+}
+
+/// The largest token count an update may carry: every store keeps counts as signed 64-bit
+/// integers, and no engine counts anywhere near this. A larger count is garbage and dropped by
+/// [`PhaseUpdate::sanitized`].
+pub const MAX_UPDATE_TOKENS: u64 = i64::MAX as u64;
+
+impl PhaseUpdate {
+    /// The update with every value no store may take set to `None`: a duration that is not a
+    /// finite, non-negative number of milliseconds, a token count above
+    /// [`MAX_UPDATE_TOKENS`]. Applying and merging go through this, so a bad value never
+    /// overwrites a good one, neither in a row nor in a merge.
+    pub fn sanitized(&self) -> PhaseUpdate {
+        let ms = |v: Option<f64>| v.filter(|m| m.is_finite() && *m >= 0.0);
+        let tokens = |v: Option<u64>| v.filter(|n| *n <= MAX_UPDATE_TOKENS);
+        PhaseUpdate {
+            trace_id: self.trace_id.clone(),
+            queue_duration_ms: ms(self.queue_duration_ms),
+            prefill_duration_ms: ms(self.prefill_duration_ms),
+            decode_duration_ms: ms(self.decode_duration_ms),
+            input_tokens: tokens(self.input_tokens),
+            output_tokens: tokens(self.output_tokens),
+        }
+    }
+
+    /// Merges a `newer` update for the same trace into this one, field by field: a `Some`
+    /// (after [sanitising](Self::sanitized)) replaces, `None` keeps. The trace id is kept.
+    pub fn merge(&mut self, newer: &PhaseUpdate) {
+        fn pick<T: Copy>(old: &mut Option<T>, new: Option<T>) {
+            if new.is_some() {
+                *old = new;
+            }
+        }
+        let newer = newer.sanitized();
+        pick(&mut self.queue_duration_ms, newer.queue_duration_ms);
+        pick(&mut self.prefill_duration_ms, newer.prefill_duration_ms);
+        pick(&mut self.decode_duration_ms, newer.decode_duration_ms);
+        pick(&mut self.input_tokens, newer.input_tokens);
+        pick(&mut self.output_tokens, newer.output_tokens);
+    }
 }
 
 impl RequestRecord {
@@ -388,11 +426,20 @@ impl RequestRecord {
         self.outcome == Outcome::Ok
     }
 
-    /// Applies late engine values (the one rule every store and the gateway share): every
-    /// `Some` phase replaces the stored one with source `engine`; an engine token count
-    /// replaces the gateway's own (estimate, chunk count, tokenizer) but never a `usage` or
-    /// `engine` count, and the input bucket follows the new input count. Idempotent.
+    /// Applies late engine values: **the** rule every store and the gateway share (SQLite and
+    /// ClickHouse read the row, call this, and write the row back; see
+    /// `tokenscope_store::late`).
+    ///
+    /// * The update is [sanitised](PhaseUpdate::sanitized) first: a bad value is ignored.
+    /// * Every `Some` phase (queue, prefill, decode) replaces the stored one, and its source
+    ///   becomes [`PhaseSource::Engine`].
+    /// * An engine token count replaces the gateway's own — a missing count, an estimate, a
+    ///   chunk count, a tokenizer count — but never a [`TokenSource::Usage`] or
+    ///   [`TokenSource::Engine`] count; the source becomes `engine`, and the input bucket
+    ///   follows a replaced input count. (So the first engine count a row gets stays.)
+    /// * Idempotent: applying the same update twice gives the same record.
     pub fn apply_update(&mut self, u: &PhaseUpdate) {
+        let u = u.sanitized();
         for (val, dst, src) in [
             (
                 u.queue_duration_ms,
@@ -410,18 +457,20 @@ impl RequestRecord {
                 &mut self.decode_source,
             ),
         ] {
-            if let Some(v) = val.filter(|v| v.is_finite() && *v >= 0.0) {
+            if let Some(v) = val {
                 *dst = Some(v);
                 *src = PhaseSource::Engine;
             }
         }
-        let weaker = |s: TokenSource| !matches!(s, TokenSource::Usage | TokenSource::Engine);
-        if u.input_tokens.is_some() && weaker(self.input_tokens_source) {
+        let replaceable = |count: Option<u64>, source: TokenSource| {
+            count.is_none() || !matches!(source, TokenSource::Usage | TokenSource::Engine)
+        };
+        if u.input_tokens.is_some() && replaceable(self.input_tokens, self.input_tokens_source) {
             self.input_tokens = u.input_tokens;
             self.input_tokens_source = TokenSource::Engine;
             self.input_bucket = self.input_tokens.map(InputBucket::of);
         }
-        if u.output_tokens.is_some() && weaker(self.output_tokens_source) {
+        if u.output_tokens.is_some() && replaceable(self.output_tokens, self.output_tokens_source) {
             self.output_tokens = u.output_tokens;
             self.output_tokens_source = TokenSource::Engine;
         }
@@ -467,6 +516,128 @@ mod tests {
             assert_eq!(PhaseSource::parse(p.as_str()), Some(p));
         }
         assert_eq!(InputBucket::parse("nope"), None);
+    }
+
+    fn update(queue: Option<f64>, input: Option<u64>, output: Option<u64>) -> PhaseUpdate {
+        PhaseUpdate {
+            trace_id: "t".to_owned(),
+            queue_duration_ms: queue,
+            input_tokens: input,
+            output_tokens: output,
+            ..PhaseUpdate::default()
+        }
+    }
+
+    /// The late-update rule, one case per line: (stored count, stored source, engine count)
+    /// → (count, source) after the update.
+    #[test]
+    fn engine_counts_replace_estimates_never_usage() {
+        use TokenSource as S;
+        type Case = (Option<u64>, S, Option<u64>, Option<u64>, S);
+        let cases: [Case; 10] = [
+            (None, S::None, Some(7), Some(7), S::Engine),
+            (Some(3), S::Estimate, Some(7), Some(7), S::Engine),
+            (Some(3), S::Chunks, Some(7), Some(7), S::Engine),
+            (Some(3), S::Tokenizer, Some(7), Some(7), S::Engine),
+            (Some(3), S::Usage, Some(7), Some(3), S::Usage),
+            (Some(3), S::Engine, Some(7), Some(3), S::Engine),
+            // A missing count is filled whatever its (inconsistent) source says.
+            (None, S::Usage, Some(7), Some(7), S::Engine),
+            // No engine count, or an absurd one: nothing changes.
+            (Some(3), S::Estimate, None, Some(3), S::Estimate),
+            (Some(3), S::Estimate, Some(u64::MAX), Some(3), S::Estimate),
+            (
+                None,
+                S::None,
+                Some(MAX_UPDATE_TOKENS),
+                Some(MAX_UPDATE_TOKENS),
+                S::Engine,
+            ),
+        ];
+        for (had, src, engine, want, want_src) in cases {
+            let mut r = RequestRecord {
+                input_tokens: had,
+                input_tokens_source: src,
+                output_tokens: had,
+                output_tokens_source: src,
+                ..RequestRecord::default()
+            };
+            r.apply_update(&update(None, engine, engine));
+            let case = (had, src, engine);
+            assert_eq!(
+                (r.input_tokens, r.input_tokens_source),
+                (want, want_src),
+                "{case:?}"
+            );
+            assert_eq!(
+                (r.output_tokens, r.output_tokens_source),
+                (want, want_src),
+                "{case:?}"
+            );
+            let bucket = if want_src == S::Engine && src != S::Engine {
+                want.map(InputBucket::of)
+            } else {
+                None
+            };
+            assert_eq!(r.input_bucket, bucket, "{case:?}");
+        }
+    }
+
+    #[test]
+    fn phases_take_sane_engine_values_and_the_rule_is_idempotent() {
+        let mut r = RequestRecord {
+            queue_duration_ms: Some(10.0),
+            queue_source: PhaseSource::Derived,
+            ..RequestRecord::default()
+        };
+        for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -0.5] {
+            r.apply_update(&update(Some(bad), None, None));
+            assert_eq!(
+                (r.queue_duration_ms, r.queue_source),
+                (Some(10.0), PhaseSource::Derived)
+            );
+        }
+        let u = PhaseUpdate {
+            prefill_duration_ms: Some(0.0),
+            ..update(Some(40.0), Some(300), None)
+        };
+        r.apply_update(&u);
+        let once = r.clone();
+        r.apply_update(&u);
+        assert_eq!(r, once);
+        assert_eq!(
+            (r.queue_duration_ms, r.queue_source),
+            (Some(40.0), PhaseSource::Engine)
+        );
+        assert_eq!(
+            (r.prefill_duration_ms, r.prefill_source),
+            (Some(0.0), PhaseSource::Engine)
+        );
+        assert_eq!(
+            (r.decode_duration_ms, r.decode_source),
+            (None, PhaseSource::None)
+        );
+        assert_eq!(r.input_bucket, Some(InputBucket::B128To512));
+        // The first engine count stays.
+        r.apply_update(&update(None, Some(5), None));
+        assert_eq!(r.input_tokens, Some(300));
+    }
+
+    #[test]
+    fn merge_keeps_older_values_the_newer_lacks_and_drops_bad_ones() {
+        let mut a = update(Some(1.0), Some(10), None);
+        a.merge(&update(None, Some(20), Some(5)));
+        assert_eq!(a, update(Some(1.0), Some(20), Some(5)));
+        a.merge(&update(Some(f64::NAN), Some(u64::MAX), None));
+        assert_eq!(a, update(Some(1.0), Some(20), Some(5)));
+        let mut other = update(None, None, None);
+        other.trace_id = "other".to_owned();
+        a.merge(&other);
+        assert_eq!(a.trace_id, "t");
+        assert_eq!(
+            update(Some(-1.0), Some(u64::MAX), Some(3)).sanitized(),
+            update(None, None, Some(3))
+        );
     }
 
     #[test]

@@ -11,6 +11,9 @@
 //!   dropped / lost. Late engine values ([`PhaseUpdate`](tokenscope_core::PhaseUpdate), joined
 //!   by trace id) take the same queue ([`Recorder::update`]) and are applied after the
 //!   batch's inserts.
+//! * [`late`] — late engine updates, decided once for every store ([`LateUpdates`]: merge,
+//!   wait, join on insert; the rule is `RequestRecord::apply_update`); a store supplies only
+//!   its I/O ([`LateRows`]).
 //! * [`pending`] — engine updates that arrived before their row, kept (bounded, with a TTL)
 //!   until the row is inserted.
 //! * [`report`] — grouped reports with **exact** nearest-rank percentiles (TTFT, TPOT,
@@ -34,6 +37,7 @@
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod late;
 pub mod pending;
 pub mod pipeline;
 pub mod read;
@@ -43,6 +47,7 @@ pub mod sqlite;
 pub mod trace_rows;
 
 pub use error::{ErrorClass, StoreError};
+pub use late::{Joined, LateRows, LateUpdates};
 pub use pending::{PendingUpdates, UnmatchedCounts, UnmatchedReason};
 pub use pipeline::{
     spawn_pipeline, spawn_pipeline_with_spool, DropReason, LossReason, NoopObserver,

@@ -15,12 +15,13 @@
 //!   and counted as [`UnmatchedCounts::expired`]. Expiry is lazy: nothing happens while the
 //!   store is idle.
 //! * **One entry per trace id**: a second update for a trace id already waiting is merged
-//!   into it — each `Some` field of the newer update replaces the older value, `None` keeps
-//!   it — without renewing the entry's age.
+//!   into it ([`PhaseUpdate::merge`]: each `Some` field of the newer update replaces the older
+//!   value, `None` keeps it) without renewing the entry's age.
 //! * Every update handed to [`PendingUpdates::insert`] ends up in exactly one of: taken back
 //!   by [`PendingUpdates::take`] (to be applied), merged into another one, or counted as
 //!   unmatched (overflow, expired, or [`PendingUpdates::drain_all`] at shutdown).
-//! * Pure data structure: no I/O, the clock is passed in.
+//! * Pure data structure: no I/O, the clock is passed in. What is parked, when, and what is
+//!   done with it when the row arrives is decided by [`crate::late`].
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -176,7 +177,7 @@ impl PendingUpdates {
     pub fn insert(&mut self, update: PhaseUpdate, now: Instant) {
         self.expire(now);
         if let Some(e) = self.map.get_mut(&update.trace_id) {
-            merge(&mut e.update, update);
+            e.update.merge(&update);
             return;
         }
         while self.map.len() >= self.capacity {
@@ -256,20 +257,6 @@ impl PendingUpdates {
             self.order.pop_front();
         }
     }
-}
-
-/// Merges `newer` into `older` field by field: `Some` replaces, `None` keeps.
-pub fn merge(older: &mut PhaseUpdate, newer: PhaseUpdate) {
-    fn pick<T>(old: &mut Option<T>, new: Option<T>) {
-        if new.is_some() {
-            *old = new;
-        }
-    }
-    pick(&mut older.queue_duration_ms, newer.queue_duration_ms);
-    pick(&mut older.prefill_duration_ms, newer.prefill_duration_ms);
-    pick(&mut older.decode_duration_ms, newer.decode_duration_ms);
-    pick(&mut older.input_tokens, newer.input_tokens);
-    pick(&mut older.output_tokens, newer.output_tokens);
 }
 
 #[cfg(test)]

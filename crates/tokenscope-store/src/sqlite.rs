@@ -34,19 +34,17 @@
 //! * [`SqliteStore::insert_batch`] writes a whole batch in one transaction (cached
 //!   multi-row prepared statements, 32 rows each, then the remainder row by row): a batch
 //!   is all-or-nothing.
-//! * Late engine values ([`PhaseUpdate`]) are joined by `trace_id`
-//!   ([`SqliteStore::apply_updates`]), through the writer's trace map
-//!   ([`crate::trace_rows`]: the `created_at` range of the rows of each of the last
-//!   65 536 trace ids by default, rebuilt from the newest rows on open) and a seek on the time index;
-//!   an update for an older row, or for a trace never seen, waits in the pending map and
-//!   expires there (counted). A `Some` phase overwrites the stored one with source
-//!   `engine`; an engine token count replaces a stored one unless that one came from `usage`
-//!   or the engine already. An update that finds no row waits in a bounded,
-//!   TTL-limited in-memory map ([`crate::pending`]) and is applied inside the transaction
-//!   that inserts a row with its trace id — removed from the map only once that transaction
-//!   committed. Applying an update twice gives the same row. If a client reuses one trace id
-//!   for several requests, an update reaches every row of that trace (the span carries
-//!   nothing finer to join on).
+//! * Late engine values ([`PhaseUpdate`]) follow [`crate::late`] (the rule, merging, waiting
+//!   and the insert-time join, stated once for every store). This store supplies the I/O: the
+//!   rows of a trace are found through the writer's trace map ([`crate::trace_rows`]: the
+//!   `created_at` range of the rows of each of the last 65 536 trace ids by default, rebuilt
+//!   from the newest rows on open) and a seek on the time index, read, updated by
+//!   [`RequestRecord::apply_update`] and written back by `rowid`, all in one transaction
+//!   ([`SqliteStore::apply_updates`]); an update for an older row, or for a trace never seen,
+//!   waits in the pending map and expires there (counted). Updates waiting for a row are
+//!   applied to the records of a batch before it is inserted, and forgotten only once that
+//!   transaction committed. If a client reuses one trace id for several requests, an update
+//!   reaches every row of that trace (the span carries nothing finer to join on).
 //!
 //! ## Schema versions
 //!
@@ -97,7 +95,6 @@
 //!
 #![doc = concat!("```sql\n", include_str!("sql/mean_ttft_by_bucket.sql"), "```")]
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -110,7 +107,8 @@ use tokenscope_core::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
 };
 
-use crate::pending::{merge, PendingUpdates, UnmatchedCounts};
+use crate::late::{LateRows, LateUpdates};
+use crate::pending::UnmatchedCounts;
 use crate::trace_rows::TraceRows;
 use crate::StoreError;
 
@@ -322,8 +320,8 @@ pub struct SqliteStore {
     must_reopen: Option<FileChange>,
     /// Reopens since the last [`Self::take_reopened`], with their reason.
     reopened: Vec<FileChange>,
-    /// Engine updates whose row has not been inserted yet (writer side only).
-    pending: PendingUpdates,
+    /// Late engine updates, and those waiting for their row (writer side only).
+    late: LateUpdates,
     /// Where the recent rows of each trace are (writer side only).
     traces: TraceRows,
 }
@@ -490,7 +488,7 @@ impl SqliteStore {
             file_id: None,
             must_reopen: None,
             reopened: Vec::new(),
-            pending: PendingUpdates::default(),
+            late: LateUpdates::default(),
             traces: TraceRows::default(),
         };
         store.load_trace_rows()?;
@@ -535,7 +533,7 @@ impl SqliteStore {
             file_id: None,
             must_reopen: None,
             reopened: Vec::new(),
-            pending: PendingUpdates::default(),
+            late: LateUpdates::default(),
             traces: TraceRows::new(1),
         })
     }
@@ -577,6 +575,10 @@ impl SqliteStore {
     }
 
     fn insert_batch_here(&mut self, records: &[RequestRecord]) -> Result<usize, StoreError> {
+        // Engine updates that arrived before their row go into the records themselves;
+        // forgotten only once the transaction committed (a failed batch is retried with them).
+        let joined = self.late.join(records);
+        let records = joined.records();
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -606,86 +608,32 @@ impl SqliteStore {
         for r in records {
             self.traces.note(&r.trace_id, r.created_at);
         }
-        // Engine updates that arrived before their row: apply them in the same transaction,
-        // forget them only once it committed (a failed batch is retried with them).
-        let mut matched: HashSet<&str> = HashSet::new();
-        if !self.pending.is_empty() {
-            for r in records {
-                if let Some(u) = self.pending.get(&r.trace_id) {
-                    if matched.insert(&r.trace_id) {
-                        if let Some(range) = self.traces.range(&r.trace_id) {
-                            apply_one(&tx, u, range)?;
-                        }
-                    }
-                }
-            }
-        }
         tx.commit()?;
-        for id in matched {
-            self.pending.take(id);
-        }
+        self.late.inserted(&joined);
         Ok(inserted)
     }
 
     /// Applies late engine values ([`PhaseUpdate`]) to the rows with the same `trace_id`, in
-    /// one transaction: each `Some` phase replaces the stored one and its `*_source` becomes
-    /// `engine`; an engine `input_tokens` / `output_tokens` replaces the stored count unless
-    /// that count's source is already `usage` or `engine` (authoritative), i.e. it fills a
-    /// `NULL` and replaces a `tokenizer` / `chunks` / `estimate` count; the source becomes
-    /// `engine` and `input_bucket` follows a replaced `input_tokens`. Non-finite or negative
-    /// durations are ignored. Idempotent: applying the same update twice leaves the
-    /// same row.
-    ///
-    /// An update that matches no row (its record is still on its way) is kept in the
-    /// bounded pending map and applied when a row with its trace id is inserted (see
-    /// [`crate::pending`]); returns how many updates matched a row now. Updates with an
-    /// empty trace id are ignored.
+    /// one transaction, as [`crate::late`] states (the rule is
+    /// [`RequestRecord::apply_update`]); an update that matches no row (its record is still on
+    /// its way) waits in the bounded pending map and is applied when a row with its trace id
+    /// is inserted. Returns how many trace ids matched a row now. Updates with an empty trace
+    /// id are ignored.
     pub fn apply_updates(&mut self, updates: &[PhaseUpdate]) -> Result<usize, StoreError> {
         self.ensure_file()?;
         let now = Instant::now();
-        self.pending.expire(now);
         if updates.is_empty() {
+            self.late.expire(now);
             return Ok(0);
         }
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let mut unmatched: Vec<PhaseUpdate> = Vec::new();
-        let mut applied: Vec<String> = Vec::new();
-        for u in updates {
-            if u.trace_id.is_empty() {
-                continue;
-            }
-            let u = sanitize(u);
-            // Anything already waiting for this trace id goes first, the newer values win.
-            let u = match self.pending.get(&u.trace_id) {
-                Some(waiting) => {
-                    let mut merged = waiting.clone();
-                    merge(&mut merged, u);
-                    merged
-                }
-                None => u,
-            };
-            // A trace the writer does not know has no row yet (or only rows older than the
-            // trace map): no statement at all, it waits in the pending map.
-            let matched = match self.traces.range(&u.trace_id) {
-                Some(range) => apply_one(&tx, &u, range)?,
-                None => 0,
-            };
-            if matched > 0 {
-                applied.push(u.trace_id);
-            } else {
-                unmatched.push(u);
-            }
-        }
-        tx.commit()?;
-        for id in &applied {
-            self.pending.take(id);
-        }
-        for u in unmatched {
-            self.pending.insert(u, now);
-        }
-        Ok(applied.len())
+        let mut rows = TraceRowsIo {
+            tx: Some(tx),
+            traces: &self.traces,
+        };
+        self.late.apply(updates, &mut rows, now)
     }
 
     /// Fills the trace map from the newest rows (at most its capacity), so that late updates
@@ -715,7 +663,7 @@ impl SqliteStore {
 
     /// Updates waiting in the pending map for their row.
     pub fn pending_updates(&self) -> usize {
-        self.pending.len()
+        self.late.waiting()
     }
 
     /// Sets the pending map's limits (default
@@ -723,17 +671,13 @@ impl SqliteStore {
     /// [`DEFAULT_PENDING_TTL`](crate::pending::DEFAULT_PENDING_TTL)); a smaller capacity evicts the oldest waiting updates
     /// (counted as overflow).
     pub fn set_pending_limits(&mut self, capacity: usize, ttl: Duration) {
-        self.pending.set_limits(capacity, ttl);
+        self.late.set_limits(capacity, ttl);
     }
 
     /// Pending updates given up on since the last call (expired now, evicted on overflow;
     /// with `shutting_down`, every update still waiting, which is then forgotten).
     pub fn take_unmatched(&mut self, shutting_down: bool) -> UnmatchedCounts {
-        self.pending.expire(Instant::now());
-        if shutting_down {
-            self.pending.drain_all();
-        }
-        self.pending.take_unmatched()
+        self.late.take_unmatched(shutting_down, Instant::now())
     }
 
     /// Inserts one record; `Ok(false)` when its `request_id` was already stored.
@@ -936,55 +880,80 @@ fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusq
     Ok(())
 }
 
-/// The late-engine-data statement (see [`SqliteStore::apply_updates`]). Parameters: 1 trace
-/// id, 2 queue, 3 prefill, 4 decode, 5 input tokens, 6 the input bucket of 5, 7 output tokens.
-/// Right-hand sides read the row's values from before the update.
-const UPDATE_SQL: &str = "UPDATE llm_inference_log SET
-    queue_duration_ms    = COALESCE(?2, queue_duration_ms),
-    queue_source         = CASE WHEN ?2 IS NULL THEN queue_source ELSE 'engine' END,
-    prefill_duration_ms  = COALESCE(?3, prefill_duration_ms),
-    prefill_source       = CASE WHEN ?3 IS NULL THEN prefill_source ELSE 'engine' END,
-    decode_duration_ms   = COALESCE(?4, decode_duration_ms),
-    decode_source        = CASE WHEN ?4 IS NULL THEN decode_source ELSE 'engine' END,
-    input_tokens_source  = CASE WHEN ?5 IS NOT NULL AND (input_tokens IS NULL OR input_tokens_source NOT IN ('usage', 'engine'))
-                                THEN 'engine' ELSE input_tokens_source END,
-    input_bucket         = CASE WHEN ?5 IS NOT NULL AND (input_tokens IS NULL OR input_tokens_source NOT IN ('usage', 'engine'))
-                                THEN ?6 ELSE input_bucket END,
-    input_tokens         = CASE WHEN ?5 IS NOT NULL AND (input_tokens IS NULL OR input_tokens_source NOT IN ('usage', 'engine'))
-                                THEN ?5 ELSE input_tokens END,
-    output_tokens_source = CASE WHEN ?7 IS NOT NULL AND (output_tokens IS NULL OR output_tokens_source NOT IN ('usage', 'engine'))
-                                THEN 'engine' ELSE output_tokens_source END,
-    output_tokens        = CASE WHEN ?7 IS NOT NULL AND (output_tokens IS NULL OR output_tokens_source NOT IN ('usage', 'engine'))
-                                THEN ?7 ELSE output_tokens END
-  WHERE created_at BETWEEN ?8 AND ?9 AND trace_id = ?1";
-
-/// Runs [`UPDATE_SQL`] for one update on the rows of its trace created within `range`
-/// (from the trace map); returns the number of rows it matched.
-fn apply_one(conn: &Connection, u: &PhaseUpdate, range: (i64, i64)) -> Result<usize, StoreError> {
-    let mut stmt = conn.prepare_cached(UPDATE_SQL)?;
-    Ok(stmt.execute(params![
-        u.trace_id,
-        u.queue_duration_ms,
-        u.prefill_duration_ms,
-        u.decode_duration_ms,
-        opt_i64(u.input_tokens),
-        u.input_tokens.map(|n| InputBucket::of(n).as_str()),
-        opt_i64(u.output_tokens),
-        range.0,
-        range.1,
-    ])?)
+/// This store's I/O for [`crate::late`]: the rows of a trace are found through the trace map
+/// and a seek on the time index ([`FIND_BY_TRACE_SQL`]) and written back by `rowid`
+/// ([`UPDATE_BY_ROWID_SQL`]), inside one transaction that [`LateRows::write`] commits.
+struct TraceRowsIo<'c> {
+    /// `None` once committed.
+    tx: Option<rusqlite::Transaction<'c>>,
+    traces: &'c TraceRows,
 }
 
-/// Drops durations that are not a finite, non-negative number of milliseconds.
-fn sanitize(u: &PhaseUpdate) -> PhaseUpdate {
-    let ok = |v: Option<f64>| v.filter(|m| m.is_finite() && *m >= 0.0);
-    PhaseUpdate {
-        trace_id: u.trace_id.clone(),
-        queue_duration_ms: ok(u.queue_duration_ms),
-        prefill_duration_ms: ok(u.prefill_duration_ms),
-        decode_duration_ms: ok(u.decode_duration_ms),
-        input_tokens: u.input_tokens,
-        output_tokens: u.output_tokens,
+/// The rows of trace `?3` created within `?1 ..= ?2` (the trace map's range for it), as
+/// [`COLUMNS`] and then the `rowid`.
+static FIND_BY_TRACE_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT {}, rowid FROM {TABLE} WHERE created_at BETWEEN ?1 AND ?2 AND trace_id = ?3",
+        COLUMNS.join(", ")
+    )
+});
+
+/// Writes a whole record back over the row with `rowid = ?53` (and `request_id = ?1`):
+/// parameters bound by [`bind_record`], in [`COLUMNS`] order.
+static UPDATE_BY_ROWID_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let set: Vec<String> = COLUMNS
+        .iter()
+        .enumerate()
+        .skip(1)
+        .map(|(i, c)| format!("{c} = ?{}", i + 1))
+        .collect();
+    format!(
+        "UPDATE {TABLE} SET {} WHERE rowid = ?{} AND request_id = ?1",
+        set.join(", "),
+        COLUMNS.len() + 1
+    )
+});
+
+impl LateRows for TraceRowsIo<'_> {
+    type Tag = i64;
+    type Error = StoreError;
+
+    fn find(&mut self, trace_ids: &[&str]) -> Result<Vec<(RequestRecord, i64)>, StoreError> {
+        let Some(tx) = &self.tx else {
+            return Ok(Vec::new());
+        };
+        let mut stmt = tx.prepare_cached(&FIND_BY_TRACE_SQL)?;
+        let mut rows = Vec::new();
+        for id in trace_ids {
+            // A trace the writer does not know has no row yet (or only rows older than the
+            // trace map): no statement at all.
+            let Some((from, to)) = self.traces.range(id) else {
+                continue;
+            };
+            let found = stmt.query_map(params![from, to, id], |row| {
+                Ok((record_from_row(row)?, row.get(COLUMNS.len())?))
+            })?;
+            for r in found {
+                rows.push(r?);
+            }
+        }
+        Ok(rows)
+    }
+
+    fn write(&mut self, changed: Vec<(RequestRecord, i64)>) -> Result<(), StoreError> {
+        let Some(tx) = self.tx.take() else {
+            return Ok(());
+        };
+        {
+            let mut stmt = tx.prepare_cached(&UPDATE_BY_ROWID_SQL)?;
+            for (r, rowid) in &changed {
+                bind_record(&mut stmt, 0, r)?;
+                stmt.raw_bind_parameter(COLUMNS.len() + 1, rowid)?;
+                stmt.raw_execute()?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
     }
 }
 
@@ -1558,7 +1527,7 @@ pub(crate) mod tests {
     /// Schema v4: the primary key and the covering time index, nothing else; the late-update
     /// statement seeks the time index.
     fn assert_v4_indexes(conn: &Connection) {
-        let plan = query_plan(conn, UPDATE_SQL);
+        let plan = query_plan(conn, &FIND_BY_TRACE_SQL);
         assert!(
             plan.contains("idx_log_created_at (created_at>? AND created_at<?)"),
             "{plan}"

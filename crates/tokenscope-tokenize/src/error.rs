@@ -34,6 +34,15 @@ pub enum TokenizeError {
         /// The loader's message.
         message: String,
     },
+    /// The configured tokenizer kind is not built into this binary: it was compiled without
+    /// the cargo feature that brings it (startup).
+    #[error("tokenizer kind {kind:?} is not built into this binary (built without the cargo feature {feature:?} of tokenscope-tokenize)")]
+    NotBuilt {
+        /// The configured kind (`hf`, `tiktoken`).
+        kind: &'static str,
+        /// The cargo feature that brings it.
+        feature: &'static str,
+    },
     /// A `models` entry is not an exact name, `prefix*` or `*` (startup).
     #[error("invalid model pattern {pattern:?}: {reason}")]
     InvalidPattern {

@@ -5,14 +5,15 @@
 //!
 //! | kind | what counts | exact? |
 //! |---|---|---|
-//! | `hf` | a local Hugging Face `tokenizer.json` ([`tokenizers`] crate, pure Rust) | completions/embeddings: yes; chat: content + documented template overhead |
-//! | `tiktoken` | OpenAI encodings built into the binary ([`tiktoken_rs`]) | same as `hf` |
+//! | `hf` | a local Hugging Face `tokenizer.json` (`tokenizers` crate, pure Rust; cargo feature `tokenizers`) | completions/embeddings: yes; chat: content + documented template overhead |
+//! | `tiktoken` | OpenAI encodings built into the binary (`tiktoken-rs` crate; cargo feature `tiktoken`) | same as `hf` |
 //! | `engine` | the engine's tokenize endpoint (llama.cpp, vLLM, TGI) | yes, chat template included |
 //!
 //! Invariants:
 //! - **Startup, not per request**: local tokenizers are loaded (and engine URLs checked) by
-//!   [`Tokenizers::new`]; a missing file or unknown encoding is a startup error. Nothing is ever
-//!   downloaded.
+//!   [`Tokenizers::new`]; a missing file or unknown encoding is a startup error, and so is a
+//!   kind this binary was built without (both features are on by default;
+//!   [`TokenizeError::NotBuilt`]). Nothing is ever downloaded.
 //! - **Never on the async worker**: local tokenization runs on tokio's blocking pool, at most
 //!   [`std::thread::available_parallelism`] counts at once (further counts wait for a slot, so
 //!   counting cannot take more CPUs than the machine has). Engine counts are HTTP calls with a

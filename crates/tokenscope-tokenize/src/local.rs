@@ -8,6 +8,9 @@
 //!   file says, so a count is the length of the whole text, never a model's `max_length`.
 //! - tiktoken counts use `encode_ordinary`: text that looks like a special token
 //!   (`<|endoftext|>`) is counted as ordinary text, as user content is.
+//! - Each kind is a default-on cargo feature of this crate (`tokenizers` for `hf`, `tiktoken`
+//!   for `tiktoken`). A binary built without one answers [`TokenizeError::NotBuilt`] when such
+//!   a tokenizer is configured: a startup error, never a panic or a silent fallback.
 //! - These calls are CPU-bound (≈ 1 µs per token); [`Tokenizers`](crate::Tokenizers) runs them on
 //!   tokio's blocking pool, never on an async worker.
 
@@ -22,7 +25,9 @@ pub struct LocalTokenizer {
 }
 
 enum Kind {
+    #[cfg(feature = "tokenizers")]
     HuggingFace(Box<tokenizers::Tokenizer>),
+    #[cfg(feature = "tiktoken")]
     Tiktoken(Box<tiktoken_rs::CoreBPE>),
 }
 
@@ -36,6 +41,7 @@ impl fmt::Debug for LocalTokenizer {
 
 impl LocalTokenizer {
     /// Loads a Hugging Face `tokenizer.json` from disk (offline).
+    #[cfg(feature = "tokenizers")]
     pub fn hugging_face(path: &Path) -> Result<Self, TokenizeError> {
         let load_err = |message: String| TokenizeError::LoadHuggingFace {
             path: path.to_owned(),
@@ -52,8 +58,18 @@ impl LocalTokenizer {
         })
     }
 
+    /// Built without the `tokenizers` feature: [`TokenizeError::NotBuilt`].
+    #[cfg(not(feature = "tokenizers"))]
+    pub fn hugging_face(_path: &Path) -> Result<Self, TokenizeError> {
+        Err(TokenizeError::NotBuilt {
+            kind: "hf",
+            feature: "tokenizers",
+        })
+    }
+
     /// Loads a tiktoken encoding built into the binary: `cl100k_base`, `o200k_base`,
     /// `p50k_base`, `r50k_base`.
+    #[cfg(feature = "tiktoken")]
     pub fn tiktoken(encoding: &str) -> Result<Self, TokenizeError> {
         let bpe = match encoding {
             "cl100k_base" => tiktoken_rs::cl100k_base(),
@@ -72,6 +88,15 @@ impl LocalTokenizer {
         })
     }
 
+    /// Built without the `tiktoken` feature: [`TokenizeError::NotBuilt`].
+    #[cfg(not(feature = "tiktoken"))]
+    pub fn tiktoken(_encoding: &str) -> Result<Self, TokenizeError> {
+        Err(TokenizeError::NotBuilt {
+            kind: "tiktoken",
+            feature: "tiktoken",
+        })
+    }
+
     /// `hf:<path>` or `tiktoken:<encoding>`.
     pub fn name(&self) -> &str {
         &self.name
@@ -80,12 +105,17 @@ impl LocalTokenizer {
     /// Token ids of `text`. `add_special` adds the tokenizer's special tokens (BOS, …) as its
     /// post-processor says; tiktoken encodings have none to add.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizeError> {
+        let _ = (text, add_special);
         match &self.kind {
+            #[cfg(feature = "tokenizers")]
             Kind::HuggingFace(t) => t
                 .encode_fast(text, add_special)
                 .map(|e| e.get_ids().to_vec())
                 .map_err(|e| TokenizeError::Encode(e.to_string())),
+            #[cfg(feature = "tiktoken")]
             Kind::Tiktoken(bpe) => Ok(bpe.encode_ordinary(text)),
+            #[cfg(not(any(feature = "tokenizers", feature = "tiktoken")))]
+            _ => unreachable_kind(),
         }
     }
 
@@ -95,11 +125,53 @@ impl LocalTokenizer {
             return Ok(0);
         }
         match &self.kind {
+            #[cfg(feature = "tokenizers")]
             Kind::HuggingFace(t) => t
                 .encode_fast(text, add_special)
                 .map(|e| e.len() as u64)
                 .map_err(|e| TokenizeError::Encode(e.to_string())),
+            #[cfg(feature = "tiktoken")]
             Kind::Tiktoken(bpe) => Ok(bpe.encode_ordinary(text).len() as u64),
+            #[cfg(not(any(feature = "tokenizers", feature = "tiktoken")))]
+            _ => unreachable_kind(),
         }
+    }
+}
+
+/// Built without any local kind, no [`LocalTokenizer`] can exist (both constructors fail).
+#[cfg(not(any(feature = "tokenizers", feature = "tiktoken")))]
+fn unreachable_kind<T>() -> Result<T, TokenizeError> {
+    Err(TokenizeError::Encode(
+        "no local tokenizer is built in".to_owned(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kind this build lacks is a clear startup error naming the feature, never a panic.
+    #[test]
+    fn kinds_not_built_are_startup_errors() {
+        let hf = LocalTokenizer::hugging_face(Path::new("/nonexistent/tokenizer.json"));
+        #[cfg(feature = "tokenizers")]
+        assert!(matches!(hf, Err(TokenizeError::LoadHuggingFace { .. })));
+        #[cfg(not(feature = "tokenizers"))]
+        {
+            let e = hf.expect_err("not built");
+            assert!(matches!(e, TokenizeError::NotBuilt { kind: "hf", .. }));
+            assert!(e.to_string().contains("\"tokenizers\""), "{e}");
+        }
+        let tt = LocalTokenizer::tiktoken("cl100k_base");
+        #[cfg(feature = "tiktoken")]
+        assert_eq!(tt.expect("built in").name(), "tiktoken:cl100k_base");
+        #[cfg(not(feature = "tiktoken"))]
+        assert!(matches!(
+            tt,
+            Err(TokenizeError::NotBuilt {
+                kind: "tiktoken",
+                ..
+            })
+        ));
     }
 }

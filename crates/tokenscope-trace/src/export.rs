@@ -7,7 +7,9 @@
 //!   whatever the collector does.
 //! * One task batches (`batch_spans` or `batch_timeout`, whichever first) and exports one
 //!   batch at a time, over OTLP/HTTP (protobuf, `POST …/v1/traces`) or OTLP/gRPC
-//!   (`TraceService/Export`).
+//!   (`TraceService/Export`, cargo feature `grpc`, on by default; without it
+//!   [`Protocol::Grpc`] is refused when parsed and when an exporter is built —
+//!   [`ExportError::GrpcNotBuilt`], a configuration error, never a panic).
 //! * A failed export is retried with exponential backoff (honouring `Retry-After`) on the
 //!   errors the OTLP spec calls retryable (HTTP 429/502/503/504, gRPC UNAVAILABLE etc.,
 //!   connection errors, timeouts) until `export_timeout` has passed since the first attempt;
@@ -23,6 +25,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+#[cfg(feature = "grpc")]
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_client::TraceServiceClient;
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
@@ -46,7 +49,7 @@ pub enum Protocol {
     /// OTLP/HTTP with protobuf bodies (port 4318 by convention).
     #[default]
     Http,
-    /// OTLP/gRPC (port 4317 by convention).
+    /// OTLP/gRPC (port 4317 by convention). Needs the cargo feature `grpc`.
     Grpc,
 }
 
@@ -55,7 +58,8 @@ impl FromStr for Protocol {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim().to_ascii_lowercase().as_str() {
             "http" | "http/protobuf" | "http-proto" => Ok(Protocol::Http),
-            "grpc" => Ok(Protocol::Grpc),
+            "grpc" if cfg!(feature = "grpc") => Ok(Protocol::Grpc),
+            "grpc" => Err(ExportError::GrpcNotBuilt),
             other => Err(ExportError::Protocol(other.to_owned())),
         }
     }
@@ -85,6 +89,9 @@ pub enum ExportError {
     /// Unknown protocol name.
     #[error("unknown OTLP protocol {0:?} (use http or grpc)")]
     Protocol(String),
+    /// OTLP/gRPC was asked for, but this binary was built without the cargo feature `grpc`.
+    #[error("OTLP protocol \"grpc\" is not built into this binary (built without the cargo feature \"grpc\" of tokenscope-trace); use \"http\"")]
+    GrpcNotBuilt,
     /// A header name or value is not valid.
     #[error("invalid OTLP export header {0:?}")]
     Header(String),
@@ -211,6 +218,7 @@ enum Transport {
         uri: Uri,
         headers: Vec<(HeaderName, HeaderValue)>,
     },
+    #[cfg(feature = "grpc")]
     Grpc {
         client: TraceServiceClient<tonic::transport::Channel>,
         metadata: Vec<(
@@ -279,6 +287,35 @@ fn retry_after(h: &http::HeaderMap) -> Option<Duration> {
         .map(Duration::from_secs)
 }
 
+/// The OTLP/gRPC transport (a lazily connected tonic channel).
+#[cfg(feature = "grpc")]
+fn grpc_transport(cfg: &ExporterConfig) -> Result<Transport, ExportError> {
+    // Validates the URL the same way (scheme, host).
+    http_uri(&cfg.endpoint)?;
+    let ep = tonic::transport::Endpoint::from_shared(cfg.endpoint.clone())
+        .map_err(|e| ExportError::Endpoint {
+            url: cfg.endpoint.clone(),
+            why: e.to_string(),
+        })?
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true);
+    let client = TraceServiceClient::new(ep.connect_lazy());
+    let mut metadata = Vec::new();
+    for (k, v) in &cfg.headers {
+        let key = tonic::metadata::MetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes())
+            .map_err(|_| ExportError::Header(k.clone()))?;
+        let value = v.parse().map_err(|_| ExportError::Header(k.clone()))?;
+        metadata.push((key, value));
+    }
+    Ok(Transport::Grpc { client, metadata })
+}
+
+/// Built without the `grpc` feature: a configuration error.
+#[cfg(not(feature = "grpc"))]
+fn grpc_transport(_cfg: &ExporterConfig) -> Result<Transport, ExportError> {
+    Err(ExportError::GrpcNotBuilt)
+}
+
 impl Transport {
     fn new(cfg: &ExporterConfig) -> Result<Self, ExportError> {
         match cfg.protocol {
@@ -304,31 +341,12 @@ impl Transport {
                     headers,
                 })
             }
-            Protocol::Grpc => {
-                // Validates the URL the same way (scheme, host).
-                http_uri(&cfg.endpoint)?;
-                let ep = tonic::transport::Endpoint::from_shared(cfg.endpoint.clone())
-                    .map_err(|e| ExportError::Endpoint {
-                        url: cfg.endpoint.clone(),
-                        why: e.to_string(),
-                    })?
-                    .connect_timeout(Duration::from_secs(5))
-                    .tcp_nodelay(true);
-                let client = TraceServiceClient::new(ep.connect_lazy());
-                let mut metadata = Vec::new();
-                for (k, v) in &cfg.headers {
-                    let key =
-                        tonic::metadata::MetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes())
-                            .map_err(|_| ExportError::Header(k.clone()))?;
-                    let value = v.parse().map_err(|_| ExportError::Header(k.clone()))?;
-                    metadata.push((key, value));
-                }
-                Ok(Transport::Grpc { client, metadata })
-            }
+            Protocol::Grpc => grpc_transport(cfg),
         }
     }
 
     /// One attempt. `Ok(rejected spans)` when the collector answered with success.
+    #[cfg_attr(not(feature = "grpc"), allow(unused_variables))]
     async fn export(
         &mut self,
         req: &ExportTraceServiceRequest,
@@ -387,6 +405,7 @@ impl Transport {
                     .await
                     .unwrap_or(Err(Failure::Retry("timeout", None)))
             }
+            #[cfg(feature = "grpc")]
             Transport::Grpc { client, metadata } => {
                 let mut request = tonic::Request::new(req.clone());
                 request.set_timeout(timeout);
@@ -627,6 +646,7 @@ impl Task {
         };
         let body = match self.transport {
             Transport::Http { .. } => Bytes::from(req.encode_to_vec()),
+            #[cfg(feature = "grpc")]
             Transport::Grpc { .. } => Bytes::new(),
         };
         let start = Instant::now();
@@ -704,7 +724,29 @@ mod tests {
         assert!(http_uri("https://h:4318").is_err());
         assert!(http_uri("h:4318").is_err());
         assert!(http_uri("not a url").is_err());
+        #[cfg(feature = "grpc")]
         assert_eq!("GRPC".parse::<Protocol>().expect("ok"), Protocol::Grpc);
         assert!("thrift".parse::<Protocol>().is_err());
+    }
+
+    /// Without the `grpc` feature, asking for gRPC is a configuration error, both when the
+    /// name is parsed and when an exporter is built with `Protocol::Grpc` directly.
+    #[cfg(not(feature = "grpc"))]
+    #[test]
+    fn grpc_without_the_feature_is_a_config_error() {
+        assert!(matches!(
+            "grpc".parse::<Protocol>(),
+            Err(ExportError::GrpcNotBuilt)
+        ));
+        let cfg = ExporterConfig {
+            endpoint: "http://127.0.0.1:4317".into(),
+            protocol: Protocol::Grpc,
+            ..ExporterConfig::default()
+        };
+        assert!(matches!(
+            Transport::new(&cfg),
+            Err(ExportError::GrpcNotBuilt)
+        ));
+        assert!(ExportError::GrpcNotBuilt.to_string().contains("feature"));
     }
 }

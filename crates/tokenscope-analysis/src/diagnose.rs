@@ -51,7 +51,7 @@
 //! * Percentiles are exact nearest-rank (`P(q) = x_k`, `k = ⌈q·n⌉`), never interpolated.
 //! * O(n log n) in the number of records.
 
-use crate::{table, total_tokens, Report, Window};
+use crate::{table, total_tokens, CsvRows, Report, Window};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
@@ -988,6 +988,20 @@ impl Report for DiagnoseReport {
                 }
             }
             None => out.push_str(&format!("Conclusion: {}\n", self.conclusion.summary)),
+        }
+        out
+    }
+
+    /// One row per step: step, verdict, finding, evidence (`key=value` pairs).
+    fn csv_rows(&self) -> CsvRows {
+        let mut out = CsvRows::new(&["step", "verdict", "finding", "evidence"]);
+        for s in &self.steps {
+            out.push(vec![
+                s.step.clone(),
+                s.verdict.as_str().to_owned(),
+                s.summary.clone(),
+                evidence_line(s),
+            ]);
         }
         out
     }

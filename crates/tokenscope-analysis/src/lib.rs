@@ -19,6 +19,8 @@
 //!   with evidence, conclusion and remedies (`tokenscope diagnose`).
 //! * [`capacity`] — the load knee under an SLO from history or a load test, sustainable QPS,
 //!   date a growth rate reaches it (`tokenscope capacity`).
+//! * [`render`] — the table house style (units in headers, fits the terminal) and the CSV
+//!   form shared by every report.
 //! * [`rules`] — Prometheus recording and tiered alerting rules
 //!   (`tokenscope export prometheus-rules`); [`alerts`] — the same conditions evaluated by the
 //!   gateway itself over recent records, with one notification per incident.
@@ -37,10 +39,13 @@ pub mod cost;
 pub mod diagnose;
 pub mod grafana;
 pub mod prices;
+pub mod render;
 pub mod rules;
 pub mod waste;
 
 pub use prices::{ModelPrice, PriceTable};
+pub(crate) use render::serde_name;
+pub use render::{csv_opt, table, CsvRows};
 use serde::Serialize;
 use tokenscope_core::RequestRecord;
 
@@ -82,6 +87,8 @@ pub enum Format {
     Table,
     /// JSON for machines.
     Json,
+    /// CSV: one header row, then the report's main rows ([`Report::csv_rows`]).
+    Csv,
 }
 
 impl std::str::FromStr for Format {
@@ -90,8 +97,9 @@ impl std::str::FromStr for Format {
         match s {
             "table" => Ok(Format::Table),
             "json" => Ok(Format::Json),
+            "csv" => Ok(Format::Csv),
             other => Err(AnalysisError::InvalidOption(format!(
-                "format {other:?}: use table or json"
+                "format {other:?}: use table, json or csv"
             ))),
         }
     }
@@ -105,10 +113,13 @@ pub enum AnalysisError {
     InvalidOption(String),
 }
 
-/// A report every analysis command prints: JSON or a table.
+/// A report every analysis command prints: JSON, a table or CSV.
 pub trait Report: Serialize {
     /// The human-readable rendering.
     fn render_table(&self) -> String;
+
+    /// The report's main table as CSV rows (JSON carries the whole report).
+    fn csv_rows(&self) -> CsvRows;
 
     /// Renders in `format`.
     fn render(&self, format: Format) -> String {
@@ -120,6 +131,7 @@ pub trait Report: Serialize {
                 s.push('\n');
                 s
             }
+            Format::Csv => self.csv_rows().to_csv(),
         }
     }
 }
@@ -140,13 +152,4 @@ pub fn nearest_rank<T: Copy>(sorted: &[T], q: f64) -> Option<T> {
 /// Total tokens of a record (input + output; unknown counts as 0).
 pub fn total_tokens(r: &RequestRecord) -> u64 {
     r.input_tokens.unwrap_or(0) + r.output_tokens.unwrap_or(0)
-}
-
-/// A new table in the house style.
-pub fn table(header: &[&str]) -> comfy_table::Table {
-    let mut t = comfy_table::Table::new();
-    t.load_style(comfy_table::presets::UTF8_FULL_CONDENSED)
-        .set_content_arrangement(comfy_table::ContentArrangement::Disabled)
-        .set_header(header.iter().copied());
-    t
 }

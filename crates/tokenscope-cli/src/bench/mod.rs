@@ -47,9 +47,9 @@ pub struct BenchArgs {
     /// Duration of each level (e.g. 30s, 500ms).
     #[arg(long, default_value = "30s")]
     pub duration: String,
-    /// Arrival process: poisson or constant.
-    #[arg(long, default_value = "poisson")]
-    pub arrival: String,
+    /// Arrival process.
+    #[arg(long, value_enum, default_value = "poisson")]
+    pub arrival: Arrival,
     /// Seed of arrivals, prompt lengths and prompt words.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -84,9 +84,9 @@ pub struct BenchArgs {
     /// (request_id, rate, ok, dropped, ttft_ms, tpot_ms, e2e_ms, output_tokens, prompt_tokens).
     #[arg(long)]
     pub requests_out: Option<std::path::PathBuf>,
-    /// table or json (the array `tokenscope capacity --from-bench` reads).
-    #[arg(long, default_value = "table")]
-    pub format: String,
+    /// Output format (json: the array `tokenscope capacity --from-bench` reads).
+    #[arg(long, value_enum, default_value_t)]
+    pub format: crate::args::BenchFormat,
 }
 
 /// What a run needs, parsed.
@@ -130,11 +130,7 @@ fn parse_plan(a: &BenchArgs) -> Result<Plan> {
     if duration.is_zero() {
         bail!("--duration must be positive");
     }
-    let json = match a.format.as_str() {
-        "json" => true,
-        "table" => false,
-        f => bail!("--format {f:?}: expected table or json"),
-    };
+    let json = a.format == crate::args::BenchFormat::Json;
     if a.concurrency == 0 {
         bail!("--concurrency must be at least 1");
     }
@@ -143,7 +139,7 @@ fn parse_plan(a: &BenchArgs) -> Result<Plan> {
         base,
         rates: a.rates.clone(),
         duration,
-        arrival: a.arrival.parse()?,
+        arrival: a.arrival,
         mix: a.mix.parse()?,
         slo_ms: crate::duration::parse(&a.slo_ttft_p99)
             .with_context(|| format!("--slo-ttft-p99 {:?}", a.slo_ttft_p99))?

@@ -955,6 +955,14 @@ fn evidence_line(s: &Step) -> String {
         .join(" ")
 }
 
+impl DiagnoseReport {
+    /// Whether some step's verdict is `problem` (the conclusion names a step). Steps whose
+    /// data is missing (`unknown`) are not problems.
+    pub fn has_problem(&self) -> bool {
+        self.steps.iter().any(|s| s.verdict == Verdict::Problem)
+    }
+}
+
 impl Report for DiagnoseReport {
     fn render_table(&self) -> String {
         let mut t = table(&["step", "verdict", "finding", "evidence"]);

@@ -24,8 +24,7 @@ use tokenscope_store::{render, run_report, Dimension, ReportQuery, SqliteStore};
     after_help = LOG_HELP
 )]
 struct Cli {
-    /// Log format on stderr: `text` (coloured only when stderr is a terminal) or `json` (one
-    /// object per line).
+    /// Log format on stderr (the filter is TOKENSCOPE_LOG, EnvFilter syntax, default `info`).
     #[arg(
         long,
         global = true,
@@ -62,13 +61,15 @@ enum Cmd {
     Anomalies(analyze::anomalies::AnomaliesArgs),
     /// Duplicate prompts, truncated or overlong outputs, bloated prompts; estimated saving.
     Waste(analyze::waste::WasteArgs),
-    /// Walk the decision tree: success rate, TTFT, TPOT, tokens, network; verdict + remedies.
+    /// Walk the decision tree: success rate, TTFT, TPOT, tokens, network; verdict + remedies
+    /// (exit status 3 on a problem with --fail-on-problem).
     Diagnose(analyze::diagnose::DiagnoseArgs),
     /// The load knee (sustainable QPS under the SLO) and when growth reaches it.
     Capacity(analyze::capacity::CapacityArgs),
     /// Export configuration for other systems (`prometheus-rules`).
     Export(analyze::rules::ExportArgs),
-    /// Open-loop load test of an OpenAI-compatible endpoint: percentiles per rate, the knee.
+    /// Open-loop load test of an OpenAI-compatible endpoint: percentiles per rate, the knee
+    /// (exits 1 naming the causes when every request failed).
     Bench(bench::BenchArgs),
 }
 

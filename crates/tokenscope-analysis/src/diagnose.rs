@@ -55,6 +55,7 @@ use crate::{table, total_tokens, CsvRows, Report, Window};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
+use tokenscope_core::success::SuccessCount;
 use tokenscope_core::{InputBucket, Outcome, RequestRecord};
 
 /// Thresholds of the decision tree (all overridable from the CLI).
@@ -328,9 +329,20 @@ fn success_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
         b.step.summary = "no requests".to_owned();
         return b.step;
     }
-    let ok = recs.iter().filter(|r| r.outcome == Outcome::Ok).count();
-    let rate = ok as f64 / n as f64;
-    b.ev("ok", json!(ok));
+    // The one definition (`tokenscope_core::success`): client errors and cancellations are
+    // left out of the rate (they stay in `outcomes` below).
+    let mut count = SuccessCount::default();
+    recs.iter().for_each(|r| count.add(r.outcome));
+    let Some(rate) = count.rate() else {
+        b.ev("ok", json!(0));
+        b.ev("success_rate", Value::Null);
+        b.step.verdict = Verdict::Unknown;
+        b.step.summary = "no request that counts in the success rate (client errors and \
+                          cancellations only)"
+            .to_owned();
+        return b.step;
+    };
+    b.ev("ok", json!(count.ok));
     b.ev("success_rate", num(Some(rate)));
     let mut outcomes: BTreeMap<&str, u64> = BTreeMap::new();
     let mut errors: HashMap<String, u64> = HashMap::new();

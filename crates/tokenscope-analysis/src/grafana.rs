@@ -28,7 +28,7 @@
 //!   overlap (panels are laid out left to right, row by row).
 
 use crate::alerts::AlertThresholds;
-use crate::rules::{prom_duration, EXCLUDED_STATUSES};
+use crate::rules::{prom_duration, EXCLUDED_STATUSES, SUCCESS_STATUS};
 use serde_json::{json, Value};
 
 /// Grafana dashboard JSON schema version written (Grafana 10.4 / 11.0).
@@ -369,7 +369,7 @@ const MR: &str = "model=~\"$model\",request_type=~\"$request_type\"";
 fn overview(t: &AlertThresholds, w: &str) -> Value {
     let mut g = Grid::default();
     let ok_ratio = format!(
-        "sum(rate(llm_requests_total{{{MR},status=\"ok\"}}[$__rate_interval])) \
+        "sum(rate(llm_requests_total{{{MR},status=\"{SUCCESS_STATUS}\"}}[$__rate_interval])) \
          / sum(rate(llm_requests_total{{{MR},status!~\"{EXCLUDED_STATUSES}\"}}[$__rate_interval]))"
     );
     g.row("Traffic");

@@ -10,6 +10,8 @@
 //! * [`openai`] — reading OpenAI-compatible request and response bodies (usage, model, finish
 //!   reason, llama.cpp `timings`), and the `include_usage` rewrite.
 //! * [`prompt`] — prompt normalisation and hashing for duplicate detection.
+//! * [`success`] — the one definition of the success rate (which outcomes succeed, fail, or
+//!   are left out), with its PromQL and SQL forms.
 //!
 //! Invariants:
 //! * TPOT is `(t_last − t_first) / (n_out − 1)` and only exists for `n_out ≥ 2`.
@@ -22,6 +24,7 @@ pub mod openai;
 pub mod prompt;
 pub mod record;
 pub mod sse;
+pub mod success;
 pub mod timing;
 pub mod w3c;
 

@@ -43,10 +43,12 @@ impl CsvRows {
         let written = std::iter::once(&self.header)
             .chain(&self.rows)
             .try_for_each(|r| w.write_record(r));
-        match written.map(|()| w.into_inner()) {
-            Ok(Ok(bytes)) => String::from_utf8_lossy(&bytes).into_owned(),
-            Ok(Err(e)) => format!("error\n{}\n", e.error()),
-            Err(e) => format!("error\n{e}\n"),
+        if let Err(e) = written {
+            return format!("error\n{e}\n");
+        }
+        match w.into_inner() {
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(e) => format!("error\n{}\n", e.error()),
         }
     }
 }

@@ -30,8 +30,18 @@ fn fixture(dir: &std::path::Path) -> String {
         .map(|i: u64| RequestRecord {
             request_id: format!("r{i:03}"),
             created_at: (T0 + i as i64) * 1_000_000,
-            model: if i % 2 == 0 { "m-a" } else { "m, \"quoted\"" }.into(),
-            request_type: if i % 3 == 0 { "summary" } else { "chat" }.into(),
+            model: if i.is_multiple_of(2) {
+                "m-a"
+            } else {
+                "m, \"quoted\""
+            }
+            .into(),
+            request_type: if i.is_multiple_of(3) {
+                "summary"
+            } else {
+                "chat"
+            }
+            .into(),
             business_line: Some("search".into()),
             user_id: Some(format!("u{}", i % 4)),
             outcome: match i {

@@ -325,6 +325,16 @@ fn pct(v: Option<f64>) -> String {
     }
 }
 
+impl CostReport {
+    /// A group's key values in `--by` order (empty for a missing one).
+    fn key_cells(&self, g: &CostGroup) -> Vec<String> {
+        self.by
+            .iter()
+            .map(|d| g.key.get(d.as_str()).cloned().unwrap_or_default())
+            .collect()
+    }
+}
+
 impl Report for CostReport {
     fn render_table(&self) -> String {
         let mut header: Vec<&str> = self.by.iter().map(|d| d.as_str()).collect();
@@ -362,12 +372,13 @@ impl Report for CostReport {
             cells
         };
         for g in &self.groups {
-            let key = self
-                .by
-                .iter()
-                .map(|d| g.key.get(d.as_str()).cloned().unwrap_or_default())
-                .collect();
-            t.add_row(row(key, &g.usage, g.token_share, g.cost_share, &g.trend));
+            t.add_row(row(
+                self.key_cells(g),
+                &g.usage,
+                g.token_share,
+                g.cost_share,
+                &g.trend,
+            ));
         }
         let mut total_key = vec!["TOTAL".to_owned()];
         total_key.resize(self.by.len(), String::new());
@@ -417,11 +428,7 @@ impl Report for CostReport {
         ]);
         let mut out = CsvRows::new(&header);
         for g in &self.groups {
-            let mut cells: Vec<String> = self
-                .by
-                .iter()
-                .map(|d| g.key.get(d.as_str()).cloned().unwrap_or_default())
-                .collect();
+            let mut cells = self.key_cells(g);
             let (u, tr) = (&g.usage, &g.trend);
             cells.extend([
                 u.requests.to_string(),

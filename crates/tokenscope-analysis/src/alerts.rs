@@ -33,6 +33,7 @@ use crate::rules::names;
 use crate::AnalysisError;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
+use tokenscope_core::success::SuccessCount;
 use tokenscope_core::{Outcome, RequestRecord};
 
 /// Severity label values.
@@ -480,16 +481,11 @@ impl AlertEvaluator {
         }
         let mut out = Vec::new();
         for (model, ss) in &by_model {
-            let counted = ss
-                .iter()
-                .filter(|s| !matches!(s.outcome, Outcome::ClientError | Outcome::Cancelled))
-                .count();
-            let failed = ss
-                .iter()
-                .filter(|s| matches!(s.outcome, Outcome::UpstreamError | Outcome::Timeout))
-                .count();
-            if counted > 0 {
-                let ratio = 1.0 - failed as f64 / counted as f64;
+            // The one definition (`tokenscope_core::success`), as in the exported rules.
+            let mut count = SuccessCount::default();
+            ss.iter().for_each(|s| count.add(s.outcome));
+            let (failed, counted) = (count.counted - count.ok, count.counted);
+            if let Some(ratio) = count.rate() {
                 if ratio < t.success_ratio_min {
                     out.push(Condition {
                         name: names::SUCCESS_RATE,

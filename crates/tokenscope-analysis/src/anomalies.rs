@@ -39,7 +39,7 @@
 //! JSON is the same for the same records on every store; linear in the records plus
 //! O(callers × buckets) and a sort per group.
 
-use crate::{table, total_tokens, AnalysisError, Report, Window};
+use crate::{table, total_tokens, AnalysisError, CsvRows, Report, Window};
 use serde::Serialize;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -915,8 +915,32 @@ impl Report for AnomalyReport {
             return out;
         }
         let mut t = table(&["kind", "who", "when (UTC)", "what", "why"]);
+        for r in self.rows() {
+            t.add_row(r);
+        }
+        out.push_str(&t.to_string());
+        out.push('\n');
+        out
+    }
+
+    /// The table's rows: kind, who, when (UTC), what, why.
+    fn csv_rows(&self) -> CsvRows {
+        CsvRows {
+            header: ["kind", "who", "when_utc", "what", "why"]
+                .map(str::to_owned)
+                .to_vec(),
+            rows: self.rows(),
+        }
+    }
+}
+
+impl AnomalyReport {
+    /// One row per finding (spikes, loops, bursts, drops): kind, who, when, what, why.
+    fn rows(&self) -> Vec<Vec<String>> {
+        let s = &self.settings;
+        let mut rows = Vec::new();
         for x in &self.spikes {
-            t.add_row(vec![
+            rows.push(vec![
                 "token spike".to_string(),
                 format!(
                     "{}{}",
@@ -950,7 +974,7 @@ impl Report for AnomalyReport {
             ]);
         }
         for x in &self.loops {
-            t.add_row(vec![
+            rows.push(vec![
                 "loop".to_string(),
                 x.caller.clone(),
                 format!(
@@ -969,7 +993,7 @@ impl Report for AnomalyReport {
             ]);
         }
         for x in &self.bursts {
-            t.add_row(vec![
+            rows.push(vec![
                 "duplicate burst".to_string(),
                 x.callers.join(", "),
                 format_date_time(x.first_us),
@@ -987,7 +1011,7 @@ impl Report for AnomalyReport {
             ]);
         }
         for x in &self.drops {
-            t.add_row(vec![
+            rows.push(vec![
                 "drop".to_string(),
                 x.scope.clone(),
                 format!(
@@ -1008,9 +1032,7 @@ impl Report for AnomalyReport {
                 ),
             ]);
         }
-        out.push_str(&t.to_string());
-        out.push('\n');
-        out
+        rows
     }
 }
 

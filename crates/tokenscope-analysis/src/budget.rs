@@ -30,7 +30,9 @@
 //! Invariants: no clock and no I/O; outputs sorted (budgets by business line then period,
 //! growth by business line), so the JSON is deterministic.
 
-use crate::{total_tokens, AnalysisError, PriceTable, Report, Window};
+use crate::{
+    csv_opt, serde_name, total_tokens, AnalysisError, CsvRows, PriceTable, Report, Window,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use tokenscope_core::RequestRecord;
@@ -545,11 +547,11 @@ impl Report for BudgetReport {
             "start",
             "used tokens",
             "budget tokens",
-            "used USD",
-            "budget USD",
-            "ratio",
+            "used (USD)",
+            "budget (USD)",
+            "ratio (%)",
             "status",
-            "projected exhaustion",
+            "projected exhaustion (UTC)",
         ]);
         for b in &self.budgets {
             t.add_row(vec![
@@ -577,11 +579,11 @@ impl Report for BudgetReport {
             "business line",
             "requests",
             "prev",
-            "Δ requests",
+            "Δ requests (%)",
             "tokens",
             "prev",
-            "Δ tokens",
-            "Δ business metric",
+            "Δ tokens (%)",
+            "Δ business metric (%)",
             "growth",
         ]);
         for c in &self.growth {
@@ -617,6 +619,45 @@ impl Report for BudgetReport {
                 "ALERT {} [{}]: {}\n",
                 a.kind, a.business_line, a.message
             ));
+        }
+        out
+    }
+
+    /// One row per budget (the growth checks are in the JSON form).
+    fn csv_rows(&self) -> CsvRows {
+        let mut out = CsvRows::new(&[
+            "business_line",
+            "period",
+            "auto",
+            "period_start",
+            "period_end",
+            "used_requests",
+            "used_tokens",
+            "budget_tokens",
+            "used_usd",
+            "budget_usd",
+            "ratio",
+            "status",
+            "projected_exhaustion",
+            "exhausted_at",
+        ]);
+        for b in &self.budgets {
+            out.push(vec![
+                b.business_line.clone(),
+                b.period.as_str().to_owned(),
+                b.auto.to_string(),
+                b.period_start.clone(),
+                b.period_end.clone(),
+                b.used_requests.to_string(),
+                b.used_tokens.to_string(),
+                csv_opt(b.budget_tokens),
+                b.used_usd.to_string(),
+                csv_opt(b.budget_usd),
+                csv_opt(b.ratio),
+                serde_name(&b.status),
+                b.projected_exhaustion.clone().unwrap_or_default(),
+                csv_opt(b.exhausted_at_us.map(format_rfc3339_seconds)),
+            ]);
         }
         out
     }

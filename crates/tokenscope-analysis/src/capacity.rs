@@ -40,7 +40,7 @@
 //!   complete fewer requests there than at the sustainable level).
 
 use crate::diagnose::{percentile, r4};
-use crate::{table, AnalysisError, Report, Window};
+use crate::{csv_opt, table, AnalysisError, CsvRows, Report, Window};
 use serde::{Deserialize, Serialize};
 use tokenscope_core::time::format_date;
 use tokenscope_core::RequestRecord;
@@ -387,25 +387,32 @@ fn opt(x: Option<f64>) -> String {
     x.map_or("-".to_owned(), |v| format!("{v:.2}"))
 }
 
+impl Band {
+    /// The table's verdict of the band.
+    fn verdict(&self) -> &'static str {
+        if !self.judged {
+            "too few requests"
+        } else if self.breach {
+            "SLO broken"
+        } else {
+            "ok"
+        }
+    }
+}
+
 impl Report for CapacityReport {
     fn render_table(&self) -> String {
         let mut t = table(&[
-            "qps",
-            "qps range",
+            "qps (req/s)",
+            "qps range (req/s)",
             "buckets",
             "requests",
-            "p99 ttft ms",
-            "p99 tpot ms",
+            "p99 ttft (ms)",
+            "p99 tpot (ms)",
             "verdict",
         ]);
         for b in &self.bands {
-            let verdict = if !b.judged {
-                "too few requests"
-            } else if b.breach {
-                "SLO broken"
-            } else {
-                "ok"
-            };
+            let verdict = b.verdict();
             t.add_row(vec![
                 format!("{:.2}", b.qps),
                 format!("{:.2}–{:.2}", b.qps_min, b.qps_max),
@@ -424,6 +431,35 @@ impl Report for CapacityReport {
             opt(self.headroom),
             self.summary
         )
+    }
+
+    /// One row per band.
+    fn csv_rows(&self) -> CsvRows {
+        let mut out = CsvRows::new(&[
+            "qps",
+            "qps_min",
+            "qps_max",
+            "buckets",
+            "requests",
+            "ttft_p99_ms",
+            "tpot_p99_ms",
+            "errors",
+            "verdict",
+        ]);
+        for b in &self.bands {
+            out.push(vec![
+                b.qps.to_string(),
+                b.qps_min.to_string(),
+                b.qps_max.to_string(),
+                b.buckets.to_string(),
+                b.requests.to_string(),
+                csv_opt(b.ttft_p99_ms),
+                csv_opt(b.tpot_p99_ms),
+                b.errors.to_string(),
+                b.verdict().to_owned(),
+            ]);
+        }
+        out
     }
 }
 

@@ -16,7 +16,7 @@
 //! Invariants: the groups partition the records (their sums are the totals); the order is
 //! cost desc, tokens desc, then key asc, so the JSON is deterministic.
 
-use crate::{total_tokens, AnalysisError, PriceTable, Report, Window};
+use crate::{csv_opt, total_tokens, AnalysisError, CsvRows, PriceTable, Report, Window};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use tokenscope_core::RequestRecord;
@@ -314,22 +314,32 @@ fn pct(v: Option<f64>) -> String {
     }
 }
 
+impl CostReport {
+    /// A group's key values in `--by` order (empty for a missing one).
+    fn key_cells(&self, g: &CostGroup) -> Vec<String> {
+        self.by
+            .iter()
+            .map(|d| g.key.get(d.as_str()).cloned().unwrap_or_default())
+            .collect()
+    }
+}
+
 impl Report for CostReport {
     fn render_table(&self) -> String {
         let mut header: Vec<&str> = self.by.iter().map(|d| d.as_str()).collect();
         header.extend([
             "requests",
-            "input",
-            "cached",
-            "output",
+            "input (tokens)",
+            "cached (tokens)",
+            "output (tokens)",
             "tokens",
-            "token share",
-            "cost USD",
-            "cost share",
+            "token share (%)",
+            "cost (USD)",
+            "cost share (%)",
             "prev tokens",
-            "Δ tokens",
-            "prev USD",
-            "Δ cost",
+            "Δ tokens (%)",
+            "prev cost (USD)",
+            "Δ cost (%)",
         ]);
         let mut t = crate::table(&header);
         let row = |key: Vec<String>, u: &Usage, ts: f64, cs: f64, tr: &Trend| {
@@ -351,12 +361,13 @@ impl Report for CostReport {
             cells
         };
         for g in &self.groups {
-            let key = self
-                .by
-                .iter()
-                .map(|d| g.key.get(d.as_str()).cloned().unwrap_or_default())
-                .collect();
-            t.add_row(row(key, &g.usage, g.token_share, g.cost_share, &g.trend));
+            t.add_row(row(
+                self.key_cells(g),
+                &g.usage,
+                g.token_share,
+                g.cost_share,
+                &g.trend,
+            ));
         }
         let mut total_key = vec!["TOTAL".to_owned()];
         total_key.resize(self.by.len(), String::new());
@@ -384,6 +395,46 @@ impl Report for CostReport {
             "Cost source: {} records priced at request time (cost_usd), {} from the current price table\n",
             self.records_with_stored_cost, self.records_with_computed_cost
         ));
+        out
+    }
+
+    /// One row per group (no total row: the rows sum to it).
+    fn csv_rows(&self) -> CsvRows {
+        let mut header: Vec<&str> = self.by.iter().map(|d| d.as_str()).collect();
+        header.extend([
+            "requests",
+            "input_tokens",
+            "cached_tokens",
+            "output_tokens",
+            "tokens",
+            "token_share",
+            "cost_usd",
+            "cost_share",
+            "previous_tokens",
+            "tokens_change_pct",
+            "previous_cost_usd",
+            "cost_change_pct",
+        ]);
+        let mut out = CsvRows::new(&header);
+        for g in &self.groups {
+            let mut cells = self.key_cells(g);
+            let (u, tr) = (&g.usage, &g.trend);
+            cells.extend([
+                u.requests.to_string(),
+                u.input_tokens.to_string(),
+                u.cached_tokens.to_string(),
+                u.output_tokens.to_string(),
+                u.tokens.to_string(),
+                g.token_share.to_string(),
+                u.cost_usd.to_string(),
+                g.cost_share.to_string(),
+                tr.previous_tokens.to_string(),
+                csv_opt(tr.tokens_change_pct),
+                tr.previous_cost_usd.to_string(),
+                csv_opt(tr.cost_change_pct),
+            ]);
+            out.push(cells);
+        }
         out
     }
 }

@@ -51,10 +51,11 @@
 //! * Percentiles are exact nearest-rank (`P(q) = x_k`, `k = ⌈q·n⌉`), never interpolated.
 //! * O(n log n) in the number of records.
 
-use crate::{table, total_tokens, Report, Window};
+use crate::{table, total_tokens, CsvRows, Report, Window};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
+use tokenscope_core::success::SuccessCount;
 use tokenscope_core::{InputBucket, Outcome, RequestRecord};
 
 /// Thresholds of the decision tree (all overridable from the CLI).
@@ -328,9 +329,20 @@ fn success_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
         b.step.summary = "no requests".to_owned();
         return b.step;
     }
-    let ok = recs.iter().filter(|r| r.outcome == Outcome::Ok).count();
-    let rate = ok as f64 / n as f64;
-    b.ev("ok", json!(ok));
+    // The one definition (`tokenscope_core::success`): client errors and cancellations are
+    // left out of the rate (they stay in `outcomes` below).
+    let mut count = SuccessCount::default();
+    recs.iter().for_each(|r| count.add(r.outcome));
+    let Some(rate) = count.rate() else {
+        b.ev("ok", json!(0));
+        b.ev("success_rate", Value::Null);
+        b.step.verdict = Verdict::Unknown;
+        b.step.summary = "no request that counts in the success rate (client errors and \
+                          cancellations only)"
+            .to_owned();
+        return b.step;
+    };
+    b.ev("ok", json!(count.ok));
     b.ev("success_rate", num(Some(rate)));
     let mut outcomes: BTreeMap<&str, u64> = BTreeMap::new();
     let mut errors: HashMap<String, u64> = HashMap::new();
@@ -955,6 +967,14 @@ fn evidence_line(s: &Step) -> String {
         .join(" ")
 }
 
+impl DiagnoseReport {
+    /// Whether some step's verdict is `problem` (the conclusion names a step). Steps whose
+    /// data is missing (`unknown`) are not problems.
+    pub fn has_problem(&self) -> bool {
+        self.steps.iter().any(|s| s.verdict == Verdict::Problem)
+    }
+}
+
 impl Report for DiagnoseReport {
     fn render_table(&self) -> String {
         let mut t = table(&["step", "verdict", "finding", "evidence"]);
@@ -988,6 +1008,20 @@ impl Report for DiagnoseReport {
                 }
             }
             None => out.push_str(&format!("Conclusion: {}\n", self.conclusion.summary)),
+        }
+        out
+    }
+
+    /// One row per step: step, verdict, finding, evidence (`key=value` pairs).
+    fn csv_rows(&self) -> CsvRows {
+        let mut out = CsvRows::new(&["step", "verdict", "finding", "evidence"]);
+        for s in &self.steps {
+            out.push(vec![
+                s.step.clone(),
+                s.verdict.as_str().to_owned(),
+                s.summary.clone(),
+                evidence_line(s),
+            ]);
         }
         out
     }

@@ -28,7 +28,7 @@
 //!   overlap (panels are laid out left to right, row by row).
 
 use crate::alerts::AlertThresholds;
-use crate::rules::{prom_duration, EXCLUDED_STATUSES};
+use crate::rules::{prom_duration, EXCLUDED_STATUSES, SUCCESS_STATUS};
 use serde_json::{json, Value};
 
 /// Grafana dashboard JSON schema version written (Grafana 10.4 / 11.0).
@@ -204,14 +204,22 @@ fn ref_id(i: usize) -> String {
     char::from(b'A' + u8::try_from(i % 26).unwrap_or(0)).to_string()
 }
 
+/// A panel's field config. With `thresholds` (absolute steps, the alert thresholds) the
+/// values are coloured by the step they fall in (`color.mode = "thresholds"`), and a time
+/// series also draws the steps as lines; without, the classic palette and one green step.
 fn field_config(unit: &str, thresholds: Option<Value>) -> Value {
+    let by_threshold = thresholds.is_some();
     let steps = thresholds.unwrap_or_else(|| json!([{"color": "green", "value": null}]));
+    let mut defaults = json!({
+        "unit": unit,
+        "color": {"mode": if by_threshold { "thresholds" } else { "palette-classic" }},
+        "thresholds": {"mode": "absolute", "steps": steps},
+    });
+    if by_threshold {
+        defaults["custom"] = json!({"thresholdsStyle": {"mode": "line"}});
+    }
     json!({
-        "defaults": {
-            "unit": unit,
-            "color": {"mode": "palette-classic"},
-            "thresholds": {"mode": "absolute", "steps": steps},
-        },
+        "defaults": defaults,
         "overrides": [],
     })
 }
@@ -369,7 +377,7 @@ const MR: &str = "model=~\"$model\",request_type=~\"$request_type\"";
 fn overview(t: &AlertThresholds, w: &str) -> Value {
     let mut g = Grid::default();
     let ok_ratio = format!(
-        "sum(rate(llm_requests_total{{{MR},status=\"ok\"}}[$__rate_interval])) \
+        "sum(rate(llm_requests_total{{{MR},status=\"{SUCCESS_STATUS}\"}}[$__rate_interval])) \
          / sum(rate(llm_requests_total{{{MR},status!~\"{EXCLUDED_STATUSES}\"}}[$__rate_interval]))"
     );
     g.row("Traffic");
@@ -965,6 +973,39 @@ mod tests {
 
     fn all() -> Vec<DashboardFile> {
         dashboards(&AlertThresholds::default())
+    }
+
+    #[test]
+    fn threshold_panels_colour_by_threshold() {
+        let mut with = 0;
+        for f in all() {
+            for p in f.dashboard["panels"].as_array().into_iter().flatten() {
+                let d = &p["fieldConfig"]["defaults"];
+                let steps = d["thresholds"]["steps"].as_array().map_or(0, Vec::len);
+                let mode = d["color"]["mode"].as_str();
+                if steps > 1 {
+                    with += 1;
+                    assert_eq!(mode, Some("thresholds"), "{}", p["title"]);
+                    assert!(
+                        steps >= 2 && d["thresholds"]["mode"] == "absolute",
+                        "{}",
+                        p["title"]
+                    );
+                } else if d.is_object() {
+                    assert_eq!(mode, Some("palette-classic"), "{}", p["title"]);
+                }
+            }
+        }
+        assert!(
+            with >= 3,
+            "the success, KV and budget panels have thresholds"
+        );
+        let ok = field_config(
+            "percentunit",
+            Some(json!([{"color": "red", "value": null}, {"color": "green", "value": 0.99}])),
+        );
+        assert_eq!(ok["defaults"]["color"]["mode"], "thresholds");
+        assert_eq!(ok["defaults"]["thresholds"]["steps"][1]["value"], 0.99);
     }
 
     #[test]

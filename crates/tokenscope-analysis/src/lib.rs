@@ -19,6 +19,8 @@
 //!   with evidence, conclusion and remedies (`tokenscope diagnose`).
 //! * [`capacity`] — the load knee under an SLO from history or a load test, sustainable QPS,
 //!   date a growth rate reaches it (`tokenscope capacity`).
+//! * [`render`] — the table house style (units in headers, fits the terminal) and the CSV
+//!   form shared by every report.
 //! * [`rules`] — Prometheus recording and tiered alerting rules
 //!   (`tokenscope export prometheus-rules`); [`alerts`] — the same conditions evaluated by the
 //!   gateway itself over recent records, with one notification per incident.
@@ -40,27 +42,19 @@ pub mod cost;
 pub mod diagnose;
 pub mod grafana;
 pub mod prices;
+pub mod render;
 pub mod rules;
 pub mod waste;
 
 pub use prices::{ModelPrice, PriceTable};
+pub(crate) use render::serde_name;
+pub use render::{csv_opt, table, CsvRows};
 use serde::Serialize;
 use tokenscope_core::RequestRecord;
 
 /// The analysed time range and the output format are the read side's shared vocabulary
 /// (`tokenscope_core::query`), re-exported here; so is the one percentile definition.
 pub use tokenscope_core::query::{nearest_rank, Format, Window};
-
-/// Parses the `--format` of the analysis commands: `table` or `json` (exact names).
-pub fn parse_format(s: &str) -> Result<Format, AnalysisError> {
-    match s {
-        "table" => Ok(Format::Table),
-        "json" => Ok(Format::Json),
-        other => Err(AnalysisError::InvalidOption(format!(
-            "format {other:?}: use table or json"
-        ))),
-    }
-}
 
 /// Errors of the analyses (bad options; the analyses themselves cannot fail).
 #[derive(Debug, thiserror::Error)]
@@ -70,10 +64,13 @@ pub enum AnalysisError {
     InvalidOption(String),
 }
 
-/// A report every analysis command prints: JSON or a table.
+/// A report every analysis command prints: JSON, a table or CSV.
 pub trait Report: Serialize {
     /// The human-readable rendering.
     fn render_table(&self) -> String;
+
+    /// The report's main table as CSV rows (JSON carries the whole report).
+    fn csv_rows(&self) -> CsvRows;
 
     /// Renders in `format`.
     fn render(&self, format: Format) -> String {
@@ -85,107 +82,12 @@ pub trait Report: Serialize {
                 s.push('\n');
                 s
             }
-            Format::Csv => self.render_csv(),
+            Format::Csv => self.csv_rows().to_csv(),
         }
-    }
-
-    /// The CSV rendering. The default is lossless but generic: a `field,value` header and one
-    /// row per scalar of the JSON form, the field named by its path (`groups.0.cost_usd`).
-    fn render_csv(&self) -> String {
-        let value = serde_json::to_value(self).unwrap_or_else(|e| {
-            serde_json::Value::String(format!("cannot serialise the report: {e}"))
-        });
-        let mut out = String::from("field,value\n");
-        flatten_csv(&value, &mut String::new(), &mut out);
-        out
-    }
-}
-
-/// Appends one `path,value` CSV line per scalar of `v` (see [`Report::render_csv`]).
-fn flatten_csv(v: &serde_json::Value, path: &mut String, out: &mut String) {
-    use serde_json::Value;
-    let child = |key: &str, v: &Value, path: &mut String, out: &mut String| {
-        let len = path.len();
-        if !path.is_empty() {
-            path.push('.');
-        }
-        path.push_str(key);
-        flatten_csv(v, path, out);
-        path.truncate(len);
-    };
-    match v {
-        Value::Object(map) => map.iter().for_each(|(k, v)| child(k, v, path, out)),
-        Value::Array(items) => items
-            .iter()
-            .enumerate()
-            .for_each(|(i, v)| child(&i.to_string(), v, path, out)),
-        scalar => {
-            let text = match scalar {
-                Value::Null => String::new(),
-                Value::String(s) => s.clone(),
-                other => other.to_string(),
-            };
-            out.push_str(&csv_field(path));
-            out.push(',');
-            out.push_str(&csv_field(&text));
-            out.push('\n');
-        }
-    }
-}
-
-/// A CSV field, quoted when it holds a comma, a quote or a line break.
-fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n', '\r']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
-    } else {
-        s.to_owned()
     }
 }
 
 /// Total tokens of a record (input + output; unknown counts as 0).
 pub fn total_tokens(r: &RequestRecord) -> u64 {
     r.input_tokens.unwrap_or(0) + r.output_tokens.unwrap_or(0)
-}
-
-/// A new table in the house style.
-pub fn table(header: &[&str]) -> comfy_table::Table {
-    let mut t = comfy_table::Table::new();
-    t.load_style(comfy_table::presets::UTF8_FULL_CONDENSED)
-        .set_content_arrangement(comfy_table::ContentArrangement::Disabled)
-        .set_header(header.iter().copied());
-    t
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[derive(Serialize)]
-    struct Demo {
-        name: &'static str,
-        rows: Vec<(u32, Option<f64>)>,
-    }
-
-    impl Report for Demo {
-        fn render_table(&self) -> String {
-            String::new()
-        }
-    }
-
-    #[test]
-    fn formats_and_generic_csv() {
-        assert_eq!(parse_format("json").expect("json"), Format::Json);
-        assert_eq!(
-            parse_format("csv").expect_err("csv").to_string(),
-            "format \"csv\": use table or json"
-        );
-        let d = Demo {
-            name: "a,b",
-            rows: vec![(1, Some(2.5)), (3, None)],
-        };
-        assert_eq!(
-            d.render(Format::Csv),
-            "field,value\nname,\"a,b\"\nrows.0.0,1\nrows.0.1,2.5\nrows.1.0,3\nrows.1.1,\n"
-        );
-    }
 }

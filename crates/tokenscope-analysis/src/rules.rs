@@ -98,11 +98,14 @@ fn write_alert(out: &mut String, a: &Alert<'_>) {
     let _ = writeln!(out, "          description: {}", q(&a.description));
 }
 
-/// Statuses counted as failures (server-side failures; client errors and cancellations are
-/// neither successes nor failures, so the success ratio is `ok / (all − those)`).
-pub const FAILURE_STATUSES: &str = "upstream_error|timeout";
+/// Statuses counted as failures (the one definition: `tokenscope_core::success`; client
+/// errors and cancellations are neither successes nor failures, so the success ratio is
+/// `ok / (all − those)`).
+pub const FAILURE_STATUSES: &str = tokenscope_core::success::PROMQL_FAILURE_STATUSES;
 /// Statuses left out of the success ratio's denominator.
-pub const EXCLUDED_STATUSES: &str = "client_error|cancelled";
+pub const EXCLUDED_STATUSES: &str = tokenscope_core::success::PROMQL_EXCLUDED_STATUSES;
+/// The status of a success.
+pub const SUCCESS_STATUS: &str = tokenscope_core::success::PROMQL_SUCCESS_STATUS;
 
 /// The rules file for `t`.
 pub fn prometheus_rules(t: &AlertThresholds) -> String {
@@ -132,7 +135,7 @@ pub fn prometheus_rules(t: &AlertThresholds) -> String {
         &mut out,
         &format!("llm:request_success_ratio:rate{w}"),
         format!(
-            "(sum by (model) (rate(llm_requests_total{{status=\"ok\"}}[{w}])) \
+            "(sum by (model) (rate(llm_requests_total{{status=\"{SUCCESS_STATUS}\"}}[{w}])) \
              or 0 * sum by (model) (rate(llm_requests_total{{status!~\"{EXCLUDED_STATUSES}\"}}[{w}]))) \
              / sum by (model) (rate(llm_requests_total{{status!~\"{EXCLUDED_STATUSES}\"}}[{w}]))"
         ),

@@ -26,7 +26,7 @@
 //! Invariants: pure (no clock, no I/O); tables sorted by name, lists by saving then key, so
 //! JSON is deterministic; O(n log n) (grouping with ordered maps, one sort per group).
 
-use crate::{nearest_rank, table, total_tokens, PriceTable, Report, Window};
+use crate::{csv_opt, nearest_rank, table, total_tokens, CsvRows, PriceTable, Report, Window};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use tokenscope_core::{Outcome, RequestRecord};
@@ -453,7 +453,7 @@ impl Report for WasteReport {
                 "requests",
                 "callers",
                 "tokens saved",
-                "USD",
+                "saved (USD)",
             ]);
             for x in &d.top {
                 t.add_row(vec![
@@ -480,7 +480,7 @@ impl Report for WasteReport {
             "request type",
             "requests",
             "truncated (length)",
-            "median out",
+            "median out (tokens)",
             "max_tokens now → suggested",
             "overlong (excess tokens)",
             "bloated (excess input)",
@@ -509,6 +509,39 @@ impl Report for WasteReport {
             self.saving.share_of_tokens * 100.0,
             usd(self.saving.usd)
         ));
+        out
+    }
+
+    /// One row per request type (the duplicate prompts and the totals are in the JSON form).
+    fn csv_rows(&self) -> CsvRows {
+        let mut out = CsvRows::new(&[
+            "request_type",
+            "requests",
+            "truncated",
+            "truncated_share",
+            "median_output_tokens",
+            "median_max_tokens",
+            "suggested_max_tokens",
+            "overlong",
+            "overlong_excess_tokens",
+            "bloated",
+            "bloated_excess_tokens",
+        ]);
+        for w in &self.request_types {
+            out.push(vec![
+                w.request_type.clone(),
+                w.requests.to_string(),
+                w.truncated.to_string(),
+                w.truncated_share.to_string(),
+                csv_opt(w.median_output),
+                csv_opt(w.median_max_tokens),
+                csv_opt(w.suggested_max_tokens),
+                w.overlong.to_string(),
+                w.overlong_excess_tokens.to_string(),
+                w.bloated.to_string(),
+                w.bloated_excess_tokens.to_string(),
+            ]);
+        }
         out
     }
 }

@@ -4,6 +4,7 @@
 //! `anyhow` is used here only.
 
 mod analyze;
+mod args;
 mod bench;
 mod demo;
 mod duration;
@@ -13,18 +14,34 @@ use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokenscope_gateway::{redact_url, Gateway, GatewayConfig, StoreTarget};
-use tokenscope_store::{render, Dimension, Format, ReportQuery};
+use tokenscope_store::{render, Dimension, ReportQuery};
 
 #[derive(Parser)]
 #[command(
     name = "tokenscope",
     version,
-    about = "Per-request token and latency observability for LLM inference"
+    about = "Per-request token and latency observability for LLM inference",
+    after_help = LOG_HELP
 )]
 struct Cli {
+    /// Log format on stderr (the filter is TOKENSCOPE_LOG, EnvFilter syntax, default `info`).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        env = "TOKENSCOPE_LOG_FORMAT",
+        default_value_t
+    )]
+    log_format: args::LogFormat,
     #[command(subcommand)]
     cmd: Cmd,
 }
+
+/// The logging environment, shown under every command's `--help`.
+const LOG_HELP: &str = "Logging: messages go to stderr. TOKENSCOPE_LOG sets the filter \
+(tracing-subscriber EnvFilter syntax, e.g. `debug` or `info,tokenscope_gateway=debug`; default \
+`info`); TOKENSCOPE_LOG_FORMAT (or --log-format) chooses `text` or `json`. Colours only when \
+stderr is a terminal.";
 
 #[derive(Subcommand)]
 enum Cmd {
@@ -44,13 +61,15 @@ enum Cmd {
     Anomalies(analyze::anomalies::AnomaliesArgs),
     /// Duplicate prompts, truncated or overlong outputs, bloated prompts; estimated saving.
     Waste(analyze::waste::WasteArgs),
-    /// Walk the decision tree: success rate, TTFT, TPOT, tokens, network; verdict + remedies.
+    /// Walk the decision tree: success rate, TTFT, TPOT, tokens, network; verdict + remedies
+    /// (exit status 3 on a problem with --fail-on-problem).
     Diagnose(analyze::diagnose::DiagnoseArgs),
     /// The load knee (sustainable QPS under the SLO) and when growth reaches it.
     Capacity(analyze::capacity::CapacityArgs),
     /// Export configuration for other systems (`prometheus-rules`).
     Export(analyze::rules::ExportArgs),
-    /// Open-loop load test of an OpenAI-compatible endpoint: percentiles per rate, the knee.
+    /// Open-loop load test of an OpenAI-compatible endpoint: percentiles per rate, the knee
+    /// (exits 1 naming the causes when every request failed).
     Bench(bench::BenchArgs),
 }
 
@@ -79,8 +98,8 @@ struct ServeArgs {
     #[arg(long)]
     otlp_endpoint: Option<String>,
     /// OTLP transport: `http` (protobuf) or `grpc` [default: http].
-    #[arg(long)]
-    otlp_protocol: Option<String>,
+    #[arg(long, value_enum, ignore_case = true)]
+    otlp_protocol: Option<args::OtlpProtocol>,
     /// Fraction of ordinary requests whose trace is kept (errors, cancellations and slow
     /// requests are always kept) [default: 0.01].
     #[arg(long)]
@@ -112,19 +131,18 @@ struct ReportArgs {
     /// Window end, like --since (default: now).
     #[arg(long)]
     until: Option<String>,
-    /// Group by (comma-separated): model, input_bucket, user, tenant, business_line,
-    /// request_type, status, endpoint, upstream, stream, engine, kv_band, gpu_band.
-    #[arg(long, value_delimiter = ',')]
-    by: Vec<String>,
+    /// Group by these dimensions (comma-separated, in column order).
+    #[arg(long, value_enum, value_delimiter = ',', ignore_case = true)]
+    by: Vec<Dimension>,
     /// Split the window into buckets of this length (e.g. 1h, 1d).
     #[arg(long)]
     interval: Option<String>,
     /// Keep only rows where DIMENSION=VALUE (repeatable).
     #[arg(long = "filter", value_name = "DIM=VALUE")]
     filters: Vec<String>,
-    /// table, json or csv.
-    #[arg(long, default_value = "table")]
-    format: String,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t)]
+    format: tokenscope_core::Format,
 }
 
 #[derive(Args)]
@@ -164,13 +182,23 @@ struct MockArgs {
     otlp_endpoint: Option<String>,
 }
 
-fn init_logging() {
+/// Logs to stderr, filtered by `TOKENSCOPE_LOG` (default `info`), as text or JSON lines.
+/// Text is coloured only when stderr is a terminal and `NO_COLOR` is unset, so piped or
+/// captured logs carry no escape codes; JSON is never coloured.
+fn init_logging(format: args::LogFormat) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env("TOKENSCOPE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        args::LogFormat::Json => builder.json().with_ansi(false).init(),
+        args::LogFormat::Text => {
+            let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+            builder.with_ansi(colour).init();
+        }
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.
@@ -223,7 +251,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         cfg.worker_priority = p;
     }
     if let Some(p) = args.otlp_protocol {
-        cfg.tracing.otlp_protocol = p;
+        cfg.tracing.otlp_protocol = p.as_str().to_owned();
     }
     if let Some(r) = args.trace_sample_ratio {
         cfg.tracing.sample_ratio = r;
@@ -288,12 +316,7 @@ fn report(args: ReportArgs) -> Result<()> {
         Some(u) => Some(time_arg(u, now).context("--until")?),
         None => None,
     };
-    let group_by = args
-        .by
-        .iter()
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| s.parse::<Dimension>())
-        .collect::<Result<Vec<_>, _>>()?;
+    let group_by: Vec<Dimension> = args.by.clone();
     let mut filters = Vec::new();
     for f in &args.filters {
         let Some((k, v)) = f.split_once('=') else {
@@ -307,7 +330,6 @@ fn report(args: ReportArgs) -> Result<()> {
         .map(duration::parse)
         .transpose()
         .context("--interval")?;
-    let format: Format = args.format.parse()?;
     let q = ReportQuery {
         since_us,
         until_us,
@@ -316,7 +338,7 @@ fn report(args: ReportArgs) -> Result<()> {
         filters,
     };
     let rows = tokenscope_backend::open_reader(&StoreTarget::parse(&args.store))?.report(&q)?;
-    print!("{}", render(&rows, &q, format));
+    print!("{}", render(&rows, &q, args.format));
     Ok(())
 }
 
@@ -391,7 +413,7 @@ fn main() -> Result<()> {
         // Before the runtime (or anything else) starts a thread.
         one_malloc_arena();
     }
-    init_logging();
+    init_logging(cli.log_format);
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     builder.enable_all();
     if let Cmd::Serve(a) = &cli.cmd {

@@ -19,6 +19,7 @@
 //!   filter semantics ([`filter_value`]) as the embedded store's query.
 
 use tokenscope_core::query::Window;
+use tokenscope_core::success::SQL_CLASS;
 use tokenscope_core::RequestRecord;
 use tokenscope_store::report::{filter_value, validate};
 use tokenscope_store::{
@@ -46,7 +47,7 @@ pub struct ReportSelect {
 pub fn clickhouse_select(q: &ReportQuery, table: &str) -> Result<ReportSelect, StoreError> {
     validate(q)?;
     let mut cols: Vec<(String, ColKind)> = vec![
-        ("toInt64(outcome = 'ok')".to_owned(), ColKind::Int),
+        (format!("toInt64({SQL_CLASS})"), ColKind::Int),
         ("ttft_ms".to_owned(), ColKind::Real),
         ("tpot_ms".to_owned(), ColKind::Real),
         ("total_duration_ms".to_owned(), ColKind::Real),
@@ -277,8 +278,8 @@ mod tests {
         let sel = clickhouse_select(&q, "db.llm_inference_log").expect("select");
         assert_eq!(
             sel.sql,
-            "SELECT toInt64(outcome = 'ok'), ttft_ms, tpot_ms, total_duration_ms, input_tokens, \
-             output_tokens, cached_tokens, queue_duration_ms, prefill_duration_ms, \
+            "SELECT toInt64((outcome = 'ok') + 2 * (outcome = 'client_error' OR outcome = \
+             'cancelled')), ttft_ms, tpot_ms, total_duration_ms, input_tokens, output_tokens, cached_tokens, queue_duration_ms, prefill_duration_ms, \
              decode_duration_ms, user_id, engine_kv_usage FROM db.llm_inference_log FINAL WHERE \
              created_at_us >= 5 AND created_at_us < 10 AND model = 'it\\'s\\\\x' AND \
              isNull(tenant) AND isNotNull(gpu_utilization) AND gpu_utilization >= 0.5 AND \

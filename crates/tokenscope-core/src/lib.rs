@@ -18,6 +18,8 @@
 //!   durations and report bounds (built on `jiff`).
 //! * [`engine`] — the inference engines tokenscope knows ([`Engine`]) and an upstream's
 //!   configured kind ([`EngineKind`]).
+//! * [`success`] — the one definition of the success rate (which outcomes succeed, fail, or
+//!   are left out), with its PromQL and SQL forms.
 //!
 //! Invariants:
 //! * TPOT is `(t_last − t_first) / (n_out − 1)` and only exists for `n_out ≥ 2`.
@@ -33,12 +35,13 @@ pub mod query;
 pub mod record;
 pub mod redact;
 pub mod sse;
+pub mod success;
 pub mod time;
 pub mod timing;
 pub mod w3c;
 
-pub use query::{nearest_rank, nearest_rank_index, Dimension, Format, InvalidQuery, Window};
 pub use engine::{Engine, EngineKind};
+pub use query::{nearest_rank, nearest_rank_index, Dimension, Format, InvalidQuery, Window};
 pub use record::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
 };

@@ -88,7 +88,7 @@ pub enum Dimension {
     #[cfg_attr(feature = "clap", value(name = "input_bucket", alias = "input-bucket"))]
     InputBucket,
     /// `user_id`.
-    #[cfg_attr(feature = "clap", value(name = "user", alias = "user_id"))]
+    #[cfg_attr(feature = "clap", value(name = "user", aliases = ["user_id", "user-id"]))]
     User,
     /// `tenant`.
     #[cfg_attr(feature = "clap", value(name = "tenant"))]
@@ -123,14 +123,25 @@ pub enum Dimension {
         feature = "clap",
         value(
             name = "kv_band",
-            aliases = ["kv-band", "engine_kv_usage", "kv_usage_band", "kv_usage"]
+            aliases = [
+                "kv-band",
+                "engine_kv_usage",
+                "engine-kv-usage",
+                "kv_usage_band",
+                "kv-usage-band",
+                "kv_usage",
+                "kv-usage"
+            ]
         )
     )]
     KvUsageBand,
     /// `gpu_band`: the band of `gpu_utilization` at arrival (same bands as `kv_band`).
     #[cfg_attr(
         feature = "clap",
-        value(name = "gpu_band", aliases = ["gpu-band", "gpu_utilization", "gpu_util"])
+        value(
+            name = "gpu_band",
+            aliases = ["gpu-band", "gpu_utilization", "gpu-utilization", "gpu_util", "gpu-util"]
+        )
     )]
     GpuBand,
 }

@@ -24,7 +24,8 @@
 //! ## Semantics of the other columns
 //!
 //! * `count` — requests in the group; `ok` — those with `outcome = 'ok'`;
-//!   `success_rate = ok / count`.
+//!   `success_rate = ok / (count − client errors − cancellations)`, the one definition of
+//!   `tokenscope_core::success` (`null` when no request counts).
 //! * `qps = count / window seconds`. The window is the query range `[since, until)` (`until`
 //!   defaults to now). With an interval, it is the bucket `[start, start + interval)`
 //!   clipped to the query range, so a partial first or last bucket is not under-reported.
@@ -93,6 +94,7 @@ use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 use tokenscope_core::query::nearest_rank_index;
 pub use tokenscope_core::query::{Dimension, Format, NONE_LABEL};
+use tokenscope_core::success::{class_of_sql, SuccessClass, SQL_CLASS};
 use tokenscope_core::{InputBucket, Outcome};
 
 use crate::sqlite::{parse_endpoint, parse_input_bucket, TABLE};
@@ -237,7 +239,8 @@ pub struct ReportRow {
     pub count: u64,
     /// Requests with outcome `ok`.
     pub ok: u64,
-    /// `ok / count`.
+    /// `ok / counted` (`tokenscope_core::success`; NaN — `null` in JSON, empty in CSV, `-` in
+    /// the table — when no request counts).
     pub success_rate: f64,
     /// `count` per second of the row's window.
     pub qps: f64,
@@ -513,6 +516,8 @@ const M_DECODE: usize = 5;
 struct Acc {
     count: u64,
     ok: u64,
+    /// Rows in the success rate's denominator (`tokenscope_core::success`).
+    counted: u64,
     /// One entry per row: TTFT, TPOT, e2e, queue, prefill, decode; NaN = unknown. One
     /// contiguous push per row (rather than one per metric into six vectors) keeps the scan
     /// to one cache line per row when rows hit many groups in turn.
@@ -623,8 +628,8 @@ pub fn filter_value(dim: Dimension, raw: &str) -> Result<FilterValue, StoreError
 }
 
 /// The report's SELECT: only the needed columns, the `created_at` range `[lo, hi)` (served by the
-/// covering `idx_log_created_at`), and the filters. Column order: 0 `outcome = 'ok'` (an
-/// integer: one call cheaper per row than reading the text), 1 ttft,
+/// covering `idx_log_created_at`), and the filters. Column order: 0 the success class
+/// ([`SQL_CLASS`]: an integer, cheaper per row than reading the text), 1 ttft,
 /// 2 tpot, 3 total, 4 input, 5 output, 6 cached, 7 queue, 8 prefill, 9 decode,
 /// [10 created_at, only with an interval], then the group dimensions from the returned offset
 /// on.
@@ -633,8 +638,8 @@ fn report_sql(
     lo: i64,
     hi: Option<i64>,
 ) -> Result<(String, Vec<rusqlite::types::Value>, usize), StoreError> {
-    let mut sql = String::from(
-        "SELECT outcome = 'ok', ttft_ms, tpot_ms, total_duration_ms, input_tokens, output_tokens, \
+    let mut sql = format!(
+        "SELECT {SQL_CLASS}, ttft_ms, tpot_ms, total_duration_ms, input_tokens, output_tokens, \
          cached_tokens, queue_duration_ms, prefill_duration_ms, decode_duration_ms",
     );
     let mut fixed = 10;
@@ -720,7 +725,7 @@ fn scan(
 pub enum ScanValue<'a> {
     /// SQL `NULL`.
     Null,
-    /// An integer (tokens, `outcome = 'ok'` as 0/1, `stream` as 0/1, `created_at` µs).
+    /// An integer (tokens, the success class 0/1/2, `stream` as 0/1, `created_at` µs).
     Int(i64),
     /// A float (durations in ms, KV usage, GPU utilisation).
     Real(f64),
@@ -740,7 +745,7 @@ pub enum ColKind {
 }
 
 /// Accumulates report rows from any store. Build it from the query, [`push`](Scanner::push)
-/// each row of the report SELECT (columns: `outcome = 'ok'` as 0/1, ttft, tpot, total,
+/// each row of the report SELECT (columns: the success class 0/1/2, ttft, tpot, total,
 /// input, output, cached, queue, prefill, decode, [`created_at` µs only with an interval],
 /// then one column per `group_by` dimension — the columns of every store's report SELECT), then
 /// [`finish`](Scanner::finish). Rows must already satisfy the query's range and filters.
@@ -807,8 +812,15 @@ impl Scanner {
         };
         let acc = &mut self.partial.accs[slot].1;
         acc.count += 1;
-        if matches!(row[0], ScanValue::Int(1)) {
-            acc.ok += 1;
+        if let ScanValue::Int(v) = row[0] {
+            match class_of_sql(v) {
+                Some(SuccessClass::Success) => {
+                    acc.ok += 1;
+                    acc.counted += 1;
+                }
+                Some(SuccessClass::Failure) => acc.counted += 1,
+                Some(SuccessClass::Excluded) | None => {}
+            }
         }
         let mut v = [f64::NAN; METRICS];
         let ttft = real(row[1]);
@@ -856,6 +868,7 @@ impl Acc {
     fn merge(&mut self, other: Acc) {
         self.count += other.count;
         self.ok += other.ok;
+        self.counted += other.counted;
         self.values.extend(other.values);
         self.share_queue_ms.merge(other.share_queue_ms);
         self.share_ttft_ms.merge(other.share_ttft_ms);
@@ -932,8 +945,10 @@ fn finish(q: &ReportQuery, parts: Vec<Partial>, now_us: i64) -> Vec<ReportRow> {
                 ok: a.ok,
                 success_rate: if a.count == 0 {
                     0.0
+                } else if a.counted == 0 {
+                    f64::NAN
                 } else {
-                    a.ok as f64 / a.count as f64
+                    a.ok as f64 / a.counted as f64
                 },
                 qps: if window_s > 0.0 {
                     a.count as f64 / window_s
@@ -1188,7 +1203,11 @@ pub fn render(rows: &[ReportRow], q: &ReportQuery, format: Format) -> String {
                 }
                 cells.extend(r.group.iter().map(|(_, v)| v.clone()));
                 cells.push(r.count.to_string());
-                cells.push(format!("{:.2}", r.success_rate * 100.0));
+                cells.push(if r.success_rate.is_finite() {
+                    format!("{:.2}", r.success_rate * 100.0)
+                } else {
+                    "-".to_owned()
+                });
                 cells.push(format!("{:.3}", r.qps));
                 for qs in [&r.ttft, &r.tpot, &r.e2e] {
                     cells.push(fmt_ms(qs.p50));

@@ -12,6 +12,10 @@
 //! ```
 //! plus a `first_token` event on the root at TTFT.
 //!
+//! A streamed request with a TTFT carries the convention's
+//! `gen_ai.response.time_to_first_chunk` (seconds) on the root. `gen_ai.response.id` is not
+//! set: the record does not keep the engine's response id (`chatcmpl-…`).
+//!
 //! Invariants:
 //! * Times: the root starts at the record's wall-clock arrival (`created_at`); every other
 //!   instant is that plus a monotonic offset measured by the gateway, so span durations are
@@ -208,6 +212,10 @@ pub fn build_spans(rec: &RequestRecord, input: &SpanInput<'_>) -> Vec<Span> {
     }
     if let Some(v) = rec.ttft_ms {
         a.push(f("tokenscope.ttft_ms", v));
+        if rec.stream {
+            // The GenAI convention's time to the first chunk of a streamed response, seconds.
+            a.push(f("gen_ai.response.time_to_first_chunk", v / 1000.0));
+        }
     }
     if let Some(v) = rec.tpot_ms {
         a.push(f("tokenscope.tpot_ms", v));
@@ -354,6 +362,33 @@ mod tests {
             engine: Some("llamacpp".into()),
             ..RequestRecord::default()
         }
+    }
+
+    #[test]
+    fn time_to_first_chunk_in_seconds_for_streams_only() {
+        let trace = RequestTrace::start(None);
+        let input = SpanInput {
+            trace: &trace,
+            times: SpanTimes::default(),
+            user_bucket: "u07",
+            server: None,
+            reason: KeepReason::Ratio,
+        };
+        let mut rec = record();
+        rec.stream = true;
+        let spans = build_spans(&rec, &input);
+        assert_eq!(
+            attr(&spans[0], "gen_ai.response.time_to_first_chunk"),
+            Some(&Value::DoubleValue(0.3025))
+        );
+        assert_eq!(attr(&spans[0], "gen_ai.response.id"), None);
+        rec.stream = false;
+        let spans = build_spans(&rec, &input);
+        assert_eq!(attr(&spans[0], "gen_ai.response.time_to_first_chunk"), None);
+        rec.stream = true;
+        rec.ttft_ms = None;
+        let spans = build_spans(&rec, &input);
+        assert_eq!(attr(&spans[0], "gen_ai.response.time_to_first_chunk"), None);
     }
 
     #[test]

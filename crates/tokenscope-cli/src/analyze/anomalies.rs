@@ -2,6 +2,7 @@
 //! sudden drops (method in `tokenscope_analysis::anomalies` and `docs/analysis.md`).
 
 use super::{CommonArgs, Input};
+use crate::args::BaselineMode;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use tokenscope_analysis::anomalies::{anomalies, AnomalyOptions, Baseline};
@@ -16,10 +17,9 @@ pub struct AnomaliesArgs {
     /// Bucket length (e.g. 1s, 1m; default: window / 60, at least 1 s).
     #[arg(long)]
     pub bucket: Option<String>,
-    /// Baseline: `prior` (the --baseline-windows windows before the analysed one) or `window`
-    /// (the analysed window's own first half).
-    #[arg(long, default_value = "prior")]
-    pub baseline: String,
+    /// Baseline of the spike and drop rules.
+    #[arg(long, value_enum, default_value = "prior")]
+    pub baseline: BaselineMode,
     /// Number of windows of the same length before the analysed one used as baseline.
     #[arg(long, default_value_t = 6)]
     pub baseline_windows: u32,
@@ -80,9 +80,9 @@ pub fn run(args: AnomaliesArgs) -> Result<()> {
     };
     let w = input.window;
     let prior;
-    let baseline = match args.baseline.as_str() {
-        "window" => Baseline::FirstHalf,
-        "prior" => {
+    let baseline = match args.baseline {
+        BaselineMode::Window => Baseline::FirstHalf,
+        BaselineMode::Prior => {
             if args.baseline_windows == 0 {
                 bail!("--baseline-windows must be at least 1");
             }
@@ -97,7 +97,6 @@ pub fn run(args: AnomaliesArgs) -> Result<()> {
                 records: &prior.1,
             }
         }
-        other => bail!("--baseline {other:?}: use prior or window"),
     };
     let report = anomalies(&input.records, w, baseline, &opts)?;
     print!("{}", report.render(input.format));

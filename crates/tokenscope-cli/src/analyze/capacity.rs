@@ -78,7 +78,7 @@ pub fn run(args: CapacityArgs) -> Result<()> {
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
         let levels: Vec<BenchLevel> = serde_json::from_str(&text)
             .with_context(|| format!("{}: expected a JSON array of levels", path.display()))?;
-        let format: Format = tokenscope_analysis::parse_format(&args.common.format)?;
+        let format: Format = args.common.format;
         let report = capacity_from_bench(&levels, &opts, crate::now_us());
         print!("{}", report.render(format));
         return Ok(());

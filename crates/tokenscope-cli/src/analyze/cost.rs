@@ -3,9 +3,10 @@
 //! (see `tokenscope_analysis::cost` for the method).
 
 use super::{CommonArgs, Input};
+use crate::args::CostDimension;
 use anyhow::Result;
 use clap::Args;
-use tokenscope_analysis::cost::{analyze, parse_dimensions};
+use tokenscope_analysis::cost::{analyze, Dimension};
 use tokenscope_analysis::Report;
 
 /// `tokenscope cost` options.
@@ -14,15 +15,24 @@ pub struct CostArgs {
     /// Store, window, format, config.
     #[command(flatten)]
     pub common: CommonArgs,
-    /// Grouping: business_line, tenant, user, model, request_type, or a comma list for nested
-    /// groups (e.g. `business_line,model`).
-    #[arg(long, default_value = "business_line")]
-    pub by: String,
+    /// Grouping, or a comma list for nested groups (e.g. `business_line,model`).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "business_line"
+    )]
+    pub by: Vec<CostDimension>,
 }
 
 /// Runs the command.
 pub fn run(args: CostArgs) -> Result<()> {
-    let by = parse_dimensions(&args.by)?;
+    let mut by: Vec<Dimension> = Vec::with_capacity(args.by.len());
+    for d in args.by.iter().map(|d| Dimension::from(*d)) {
+        if !by.contains(&d) {
+            by.push(d);
+        }
+    }
     let input = Input::load(&args.common)?;
     let previous_window = input.window.previous();
     let previous = input.load_window(previous_window)?;

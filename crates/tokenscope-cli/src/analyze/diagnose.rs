@@ -1,9 +1,15 @@
 //! `tokenscope diagnose`: loads the window, walks the decision tree
 //! (`tokenscope_analysis::diagnose`), prints the steps, the conclusion and the remedies.
+//!
+//! Exit status: 0 whatever the verdicts, unless `--fail-on-problem` is given; then
+//! [`PROBLEM_EXIT`] (3) when a step's verdict is `problem` (success rate, TTFT, TPOT, tokens or
+//! network beyond its threshold). `unknown` steps (data missing) and `ok` ones exit 0. Errors
+//! (no store, bad window) exit 1 and bad flags 2, as for every command.
 
 use super::{CommonArgs, Input};
 use anyhow::{Context, Result};
 use clap::Args;
+use std::io::Write;
 use tokenscope_analysis::diagnose::{diagnose, DiagnoseOptions};
 use tokenscope_analysis::Report;
 
@@ -43,7 +49,14 @@ pub struct DiagnoseArgs {
     /// P99 upstream connect/transfer time above this is a problem.
     #[arg(long, default_value = "500ms")]
     pub network_p99: String,
+    /// Exit with status 3 when a step's verdict is `problem` (after printing the report);
+    /// `ok` and `unknown` (data missing) steps exit 0.
+    #[arg(long)]
+    pub fail_on_problem: bool,
 }
+
+/// Exit status of `--fail-on-problem` when a problem is found (1 is an error, 2 a bad flag).
+pub const PROBLEM_EXIT: i32 = 3;
 
 fn ms(s: &str, flag: &str) -> Result<f64> {
     Ok(crate::duration::parse(s)
@@ -70,5 +83,9 @@ pub fn run(args: DiagnoseArgs) -> Result<()> {
     let input = Input::load(&args.common)?;
     let report = diagnose(&input.records, input.window, &opts);
     print!("{}", report.render(input.format));
+    if args.fail_on_problem && report.has_problem() {
+        std::io::stdout().flush().context("writing the report")?;
+        std::process::exit(PROBLEM_EXIT);
+    }
     Ok(())
 }

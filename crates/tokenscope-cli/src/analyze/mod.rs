@@ -1,7 +1,7 @@
 //! The analysis commands (`cost`, `budget`, `anomalies`, `waste`, `diagnose`, `capacity`,
 //! `export prometheus-rules`): load the records of a window from the embedded store or
 //! ClickHouse (same rows, same order on both), run a pure analysis from
-//! `tokenscope-analysis`, print a table or JSON.
+//! `tokenscope-analysis`, print a table, JSON or CSV.
 
 pub mod anomalies;
 pub mod budget;
@@ -33,9 +33,9 @@ pub struct CommonArgs {
     /// Window end, like --since (default: now).
     #[arg(long)]
     pub until: Option<String>,
-    /// `table` or `json`.
-    #[arg(long, default_value = "table")]
-    pub format: String,
+    /// Output format (csv: the report's main table; json: the whole report).
+    #[arg(long, value_enum, default_value_t)]
+    pub format: tokenscope_core::Format,
     /// The gateway's TOML configuration (prices, budgets, SLOs are read from it).
     #[arg(long, env = "TOKENSCOPE_CONFIG")]
     pub config: Option<PathBuf>,
@@ -71,7 +71,7 @@ impl Input {
         }
         let window = Window { since_us, until_us };
         let config = GatewayConfig::load(args.config.as_deref())?;
-        let format: Format = tokenscope_analysis::parse_format(&args.format)?;
+        let format: Format = args.format;
         let records = load_records(&args.store, window)?;
         Ok(Self {
             window,

@@ -13,6 +13,10 @@
 //! include_usage`, an `x-request-id` of `PREFIX-L<level>-<n>` (so the gateway's records can be
 //! matched by their `client_request_id`), and `max_tokens` / `mock_output_tokens` when asked. Timings use [`Instant`] only.
 //! Definitions and the knee: [`stats`]; usage: `docs/bench.md`.
+//!
+//! Exit status: 1 when no request of any level succeeded, the error naming the causes
+//! counted ([`stats::Failures`]: `HTTP 503`, `timeout`, `connection failed`, `dropped`, …);
+//! otherwise 0, with one stderr line of the causes when some requests failed.
 
 pub mod plan;
 pub mod stats;
@@ -47,9 +51,9 @@ pub struct BenchArgs {
     /// Duration of each level (e.g. 30s, 500ms).
     #[arg(long, default_value = "30s")]
     pub duration: String,
-    /// Arrival process: poisson or constant.
-    #[arg(long, default_value = "poisson")]
-    pub arrival: String,
+    /// Arrival process.
+    #[arg(long, value_enum, default_value = "poisson")]
+    pub arrival: Arrival,
     /// Seed of arrivals, prompt lengths and prompt words.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -84,9 +88,9 @@ pub struct BenchArgs {
     /// (request_id, rate, ok, dropped, ttft_ms, tpot_ms, e2e_ms, output_tokens, prompt_tokens).
     #[arg(long)]
     pub requests_out: Option<std::path::PathBuf>,
-    /// table or json (the array `tokenscope capacity --from-bench` reads).
-    #[arg(long, default_value = "table")]
-    pub format: String,
+    /// Output format (json: the array `tokenscope capacity --from-bench` reads).
+    #[arg(long, value_enum, default_value_t)]
+    pub format: crate::args::BenchFormat,
 }
 
 /// What a run needs, parsed.
@@ -130,11 +134,7 @@ fn parse_plan(a: &BenchArgs) -> Result<Plan> {
     if duration.is_zero() {
         bail!("--duration must be positive");
     }
-    let json = match a.format.as_str() {
-        "json" => true,
-        "table" => false,
-        f => bail!("--format {f:?}: expected table or json"),
-    };
+    let json = a.format == crate::args::BenchFormat::Json;
     if a.concurrency == 0 {
         bail!("--concurrency must be at least 1");
     }
@@ -143,7 +143,7 @@ fn parse_plan(a: &BenchArgs) -> Result<Plan> {
         base,
         rates: a.rates.clone(),
         duration,
-        arrival: a.arrival.parse()?,
+        arrival: a.arrival,
         mix: a.mix.parse()?,
         slo_ms: crate::duration::parse(&a.slo_ttft_p99)
             .with_context(|| format!("--slo-ttft-p99 {:?}", a.slo_ttft_p99))?
@@ -173,6 +173,8 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     };
     let mut rng = fastrand::Rng::with_seed(args.seed);
     let mut levels = Vec::with_capacity(plan.rates.len());
+    // Failure causes over every level, and how many requests there were / succeeded.
+    let mut failures = stats::Failures::default();
     for (li, &rate) in plan.rates.iter().enumerate() {
         let mut results = run_level(&client, &plan, &args, &model, li, rate, &mut rng).await;
         for r in &mut results {
@@ -182,12 +184,28 @@ pub async fn run(args: BenchArgs) -> Result<()> {
             write_requests(path, &results, li == 0)?;
         }
         levels.push(stats::summarize(rate, plan.duration, &results, plan.slo_ms));
+        failures.add(&results);
     }
     let (knee, sustainable) = stats::mark_knee(&mut levels);
     if plan.json {
         println!("{}", serde_json::to_string_pretty(&levels)?);
     } else {
         print!("{}", render_table(&levels, knee, sustainable, plan.slo_ms));
+    }
+    if failures.requests > 0 && failures.ok == 0 {
+        bail!(
+            "every request failed ({}): {}",
+            failures.requests,
+            failures.causes_line()
+        );
+    }
+    if failures.ok < failures.requests {
+        eprintln!(
+            "{} of {} requests failed or were dropped: {}",
+            failures.requests - failures.ok,
+            failures.requests,
+            failures.causes_line()
+        );
     }
     Ok(())
 }
@@ -262,6 +280,7 @@ async fn run_level(
                 request_id,
                 dropped: true,
                 prompt_tokens,
+                error: Some("dropped (--concurrency reached)".to_owned()),
                 ..RequestResult::default()
             });
             continue;
@@ -296,7 +315,10 @@ async fn run_level(
     for t in tasks {
         match t.await {
             Ok(r) => results.push(r),
-            Err(_) => results.push(RequestResult::default()),
+            Err(_) => results.push(RequestResult {
+                error: Some("request task failed".to_owned()),
+                ..RequestResult::default()
+            }),
         }
     }
     bar.finish_and_clear();
@@ -314,7 +336,12 @@ async fn one_request(
     let sent = Instant::now();
     let fut = timed_request(client, uri, body, request_id, sent);
     // A timeout is a failed request (ok = false).
-    tokio::time::timeout(timeout, fut).await.unwrap_or_default()
+    tokio::time::timeout(timeout, fut)
+        .await
+        .unwrap_or_else(|_| RequestResult {
+            error: Some("timeout".to_owned()),
+            ..RequestResult::default()
+        })
 }
 
 async fn timed_request(
@@ -325,18 +352,25 @@ async fn timed_request(
     sent: Instant,
 ) -> RequestResult {
     let mut out = RequestResult::default();
+    let fail = |mut out: RequestResult, why: String| {
+        out.error = Some(why);
+        out
+    };
     let req = match http::Request::post(uri)
         .header("content-type", "application/json")
         .header("x-request-id", request_id)
         .body(Full::new(Bytes::from(body)))
     {
         Ok(r) => r,
-        Err(_) => return out,
+        Err(e) => return fail(out, format!("invalid request: {e}")),
     };
-    let Ok(resp) = client.request(req).await else {
-        return out;
+    let resp = match client.request(req).await {
+        Ok(r) => r,
+        Err(e) if e.is_connect() => return fail(out, "connection failed".to_owned()),
+        Err(_) => return fail(out, "request failed (no response)".to_owned()),
     };
-    let status_ok = resp.status().is_success();
+    let status = resp.status();
+    let status_ok = status.is_success();
     let is_sse = resp
         .headers()
         .get(http::header::CONTENT_TYPE)
@@ -365,7 +399,9 @@ async fn timed_request(
         }
     };
     while let Some(frame) = body.frame().await {
-        let Ok(frame) = frame else { return out };
+        let Ok(frame) = frame else {
+            return fail(out, "response body broken off".to_owned());
+        };
         let at = Instant::now();
         let Ok(data) = frame.into_data() else {
             continue;
@@ -375,7 +411,7 @@ async fn timed_request(
                 .push(&data, |raw| on_event(raw, at, &mut outputs))
                 .is_err()
             {
-                return out;
+                return fail(out, "SSE event too large".to_owned());
             }
         } else {
             whole.extend_from_slice(&data);
@@ -397,7 +433,12 @@ async fn timed_request(
     let ms = |t: Instant| tokenscope_core::timing::ms(t.duration_since(sent));
     out.e2e_ms = Some(ms(end));
     let (Some(&first), Some(&last)) = (outputs.first(), outputs.last()) else {
-        return out;
+        let why = if status_ok {
+            "no output in the response".to_owned()
+        } else {
+            format!("HTTP {}", status.as_u16())
+        };
+        return fail(out, why);
     };
     let n_out = usage_tokens.unwrap_or(outputs.len() as u64);
     out.ttft_ms = Some(ms(first));
@@ -412,6 +453,11 @@ async fn timed_request(
         .collect();
     out.output_tokens = n_out;
     out.ok = status_ok && !error_event;
+    if !status_ok {
+        out.error = Some(format!("HTTP {}", status.as_u16()));
+    } else if error_event {
+        out.error = Some("error event in the response".to_owned());
+    }
     out
 }
 

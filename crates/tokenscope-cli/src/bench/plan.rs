@@ -33,21 +33,19 @@ pub const WORDS: &[&str] = &[
     "read", "hand", "move", "play", "turn", "city", "tree",
 ];
 
-/// How requests arrive.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How requests arrive (`bench --arrival`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Arrival {
     /// Evenly spaced, `1 / rate` apart.
+    #[value(alias = "uniform")]
     Constant,
     /// A Poisson process: exponential inter-arrival gaps with mean `1 / rate`.
     Poisson,
 }
 
-/// An invalid `--arrival` or `--mix` value.
+/// An invalid `--mix` value.
 #[derive(Debug, Error, PartialEq)]
 pub enum PlanError {
-    /// Unknown arrival process name.
-    #[error("unknown arrival {0:?} (expected constant or poisson)")]
-    Arrival(String),
     /// A malformed mix.
     #[error("invalid mix {spec:?}: {why}")]
     Mix {
@@ -56,17 +54,6 @@ pub enum PlanError {
         /// What is wrong.
         why: String,
     },
-}
-
-impl std::str::FromStr for Arrival {
-    type Err = PlanError;
-    fn from_str(s: &str) -> Result<Self, PlanError> {
-        match s.trim() {
-            "constant" | "uniform" => Ok(Arrival::Constant),
-            "poisson" => Ok(Arrival::Poisson),
-            other => Err(PlanError::Arrival(other.to_owned())),
-        }
-    }
 }
 
 /// Offsets from the level start at which requests are sent (see the module invariants).

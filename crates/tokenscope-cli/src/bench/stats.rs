@@ -60,6 +60,46 @@ pub struct RequestResult {
     /// Level start → completion (for the achieved QPS).
     #[serde(skip)]
     pub done_after: Option<Duration>,
+    /// Why a request failed or was dropped (`HTTP 503`, `timeout`, `connection failed`, …);
+    /// `None` for a request that succeeded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Failed and dropped requests counted by cause, over one or more levels.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Failures {
+    /// Requests scheduled (sent or dropped).
+    pub requests: u64,
+    /// Requests that succeeded.
+    pub ok: u64,
+    /// Cause → count of the others (`failed` when a request has no recorded cause).
+    pub causes: std::collections::BTreeMap<String, u64>,
+}
+
+impl Failures {
+    /// Counts a level's results.
+    pub fn add(&mut self, results: &[RequestResult]) {
+        for r in results {
+            self.requests += 1;
+            if r.ok {
+                self.ok += 1;
+            } else {
+                let cause = r.error.as_deref().unwrap_or("failed");
+                *self.causes.entry(cause.to_owned()).or_default() += 1;
+            }
+        }
+    }
+
+    /// `40 × HTTP 503, 2 × timeout`: most frequent first, ties by name.
+    pub fn causes_line(&self) -> String {
+        let mut v: Vec<(&String, &u64)> = self.causes.iter().collect();
+        v.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
+        v.iter()
+            .map(|(c, n)| format!("{n} × {c}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// TPOT from the first/last output offsets (ms) and n_out; `None` for n_out < 2.
@@ -235,6 +275,28 @@ pub fn mark_knee(levels: &mut [LevelSummary]) -> (Option<usize>, Option<usize>) 
 mod tests {
     use super::*;
 
+    #[test]
+    fn causes_are_counted_most_frequent_first() {
+        let failed = |e: Option<&str>| RequestResult {
+            error: e.map(str::to_owned),
+            ..RequestResult::default()
+        };
+        let results = vec![
+            failed(Some("timeout")),
+            failed(Some("HTTP 503")),
+            failed(Some("HTTP 503")),
+            failed(None),
+            RequestResult {
+                ok: true,
+                ..RequestResult::default()
+            },
+        ];
+        let mut f = Failures::default();
+        f.add(&results);
+        assert_eq!((f.requests, f.ok), (5, 1));
+        assert_eq!(f.causes_line(), "2 × HTTP 503, 1 × failed, 1 × timeout");
+    }
+
     fn ok(ttft: f64, done_ms: u64) -> RequestResult {
         RequestResult {
             ok: true,
@@ -269,8 +331,8 @@ mod tests {
 
     #[test]
     fn summary_counts_and_rates() {
-        let mut rs: Vec<RequestResult> = (0..8)
-            .map(|i| ok(f64::from(i) + 1.0, 500 + 100 * i as u64))
+        let mut rs: Vec<RequestResult> = (0..8u32)
+            .map(|i| ok(f64::from(i) + 1.0, 500 + 100 * u64::from(i)))
             .collect();
         rs.push(RequestResult {
             dropped: true,

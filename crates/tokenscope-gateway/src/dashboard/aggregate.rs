@@ -16,7 +16,7 @@
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use tokenscope_core::query::{nearest_rank, Window};
-use tokenscope_core::{InputBucket, Outcome, RequestRecord};
+use tokenscope_core::{InputBucket, RequestRecord};
 
 /// A dashboard time range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -342,10 +342,9 @@ fn by_bucket<'a>(records: &[&'a RequestRecord], w: &PageWindow) -> Vec<Vec<&'a R
     out
 }
 
+/// The one definition (`tokenscope_core::success`): client errors and cancellations left out.
 fn success_rate(records: &[&RequestRecord]) -> Option<f64> {
-    (!records.is_empty()).then(|| {
-        records.iter().filter(|r| r.outcome == Outcome::Ok).count() as f64 / records.len() as f64
-    })
+    tokenscope_core::success::success_rate(records.iter().map(|r| r.outcome))
 }
 
 /// Headline numbers of a set of records over `seconds`.
@@ -353,7 +352,8 @@ fn success_rate(records: &[&RequestRecord]) -> Option<f64> {
 pub struct Summary {
     /// Requests.
     pub requests: u64,
-    /// Share of requests with outcome `ok` (`null` without requests).
+    /// Success rate, `ok / (ok + upstream_error + timeout + shutdown)` (`null` without a
+    /// request that counts; `tokenscope_core::success`).
     pub success_rate: Option<f64>,
     /// Requests per second of the window.
     pub qps: f64,
@@ -400,7 +400,7 @@ pub struct OverviewSeries {
     pub t: Vec<f64>,
     /// Requests per second.
     pub qps: Vec<f64>,
-    /// Share ok.
+    /// Success rate per bucket (as in the summary).
     pub success_rate: Vec<Option<f64>>,
     /// TTFT P50, ms.
     pub ttft_p50: Vec<Option<f64>>,
@@ -792,6 +792,7 @@ pub fn cost(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokenscope_core::Outcome;
 
     fn rec(id: &str, at_s: f64, model: &str, total_ms: f64) -> RequestRecord {
         RequestRecord {

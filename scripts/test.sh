@@ -96,6 +96,9 @@ cargo check --workspace --no-default-features --quiet
 
 if command -v cargo-deny >/dev/null 2>&1; then
   step "cargo deny: licenses, bans, sources (deny.toml)"
+  # cargo deny reads the whole graph (every target platform, every optional dependency):
+  # fetch the crate sources the builds above did not need (crates.io only), then check offline.
+  cargo fetch --quiet
   cargo deny --offline check licenses bans sources
   ADVISORY_DBS="${CARGO_HOME:-$HOME/.cargo}/advisory-dbs"
   if compgen -G "$ADVISORY_DBS/advisory-db-*" >/dev/null; then

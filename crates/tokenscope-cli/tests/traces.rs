@@ -124,6 +124,23 @@ async fn span_tree(protocol: &str) {
     assert_eq!(a["server.port"], i64::from(mock.addr.port()));
     assert_eq!(a["http.response.status_code"], 200);
     assert!(a["gen_ai.provider.name"].is_string());
+    // The engine's response id, as the client read it in the stream's first chunk.
+    let raw = String::from_utf8_lossy(&s.raw);
+    let first: serde_json::Value = raw
+        .lines()
+        .find_map(|l| l.strip_prefix("data: "))
+        .and_then(|d| serde_json::from_str(d).ok())
+        .expect("a first data chunk");
+    assert!(first["id"].is_string(), "{first}");
+    assert_eq!(a["gen_ai.response.id"], first["id"]);
+    let ttfc = a["gen_ai.response.time_to_first_chunk"]
+        .as_f64()
+        .expect("time to first chunk");
+    let ttft_ms = rec["ttft_ms"].as_f64().expect("ttft");
+    assert!(
+        (ttfc * 1000.0 - ttft_ms).abs() < 1e-6,
+        "{ttfc} s vs {ttft_ms} ms"
+    );
     let bucket = a["tokenscope.user_bucket"].as_str().expect("user bucket");
     assert!(!bucket.is_empty());
     let dump = serde_json::to_string(&spans).expect("json");

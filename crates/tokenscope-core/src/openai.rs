@@ -178,6 +178,8 @@ fn lenient_u64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D:
 pub struct PayloadInfo<'a> {
     /// `model` (borrowed from the input when possible).
     pub model: Option<Cow<'a, str>>,
+    /// The response's `id` (`chatcmpl-…`, `cmpl-…`; borrowed when possible).
+    pub id: Option<Cow<'a, str>>,
     /// At least one choice carries output (text, reasoning, tool call, refusal).
     pub has_output: bool,
     /// `choices` is present and empty (the usage-only chunk when usage is also present).
@@ -250,6 +252,8 @@ impl BStr<'_> {
 #[derive(Deserialize)]
 struct RawPayload<'a> {
     #[serde(borrow, default)]
+    id: Option<BStr<'a>>,
+    #[serde(borrow, default)]
     model: Option<BStr<'a>>,
     #[serde(borrow, default)]
     choices: Option<Vec<RawChoice<'a>>>,
@@ -306,6 +310,7 @@ pub fn parse_payload(data: &[u8]) -> Result<PayloadInfo<'_>, PayloadError> {
     let raw: RawPayload<'_> = serde_json::from_slice(data)?;
     let mut info = PayloadInfo {
         model: raw.model.map(|m| m.0),
+        id: raw.id.map(|i| i.0),
         usage: raw.usage,
         timings: raw.timings,
         metrics: raw.metrics,
@@ -391,12 +396,18 @@ mod tests {
         .expect("valid");
         assert!(p.has_output);
         assert_eq!(p.model.as_deref(), Some("gemma"));
+        assert_eq!(p.id.as_deref(), Some("x"));
+        assert!(
+            matches!(p.id, Some(Cow::Borrowed(_))),
+            "no allocation per chunk"
+        );
         assert_eq!(p.output_bytes, 2);
         let role_only = parse_payload(
             br#"{"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}"#,
         )
         .expect("valid");
         assert!(!role_only.has_output);
+        assert_eq!(role_only.id, None);
     }
 
     #[test]

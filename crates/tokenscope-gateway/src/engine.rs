@@ -1,16 +1,21 @@
-//! Engine adapters: what each engine tells about a request beyond the OpenAI `usage`, and how
-//! it maps onto the record's queue / prefill / decode.
+//! What each engine tells about a request beyond the OpenAI `usage`: the reference table of
+//! where each engine's per-request numbers come from. The mapping onto the record is applied
+//! in one place, `facts::derive` (pure, table-tested); this module holds the reader of TGI's
+//! response headers and re-exports the engine kinds.
 //!
 //! | engine | where | queue | prefill | decode | tokens |
 //! |---|---|---|---|---|---|
-//! | llama.cpp | `timings` in the body (last SSE chunk) | derived: TTFT − prefill − gateway overhead | `prompt_ms` | `predicted_ms` | `prompt_n + cache_n`, `predicted_n`, cached `cache_n` |
+//! | llama.cpp | `timings` in the body (last SSE chunk) | — (derived, see below) | `prompt_ms` | `predicted_ms` | `prompt_n + cache_n`, `predicted_n`, cached `cache_n` |
 //! | vLLM | `metrics` in the body (server flag `--enable-per-request-metrics`; usage chunk when streaming) | `queue_time_ms` | `time_to_first_token_ms` (from scheduling) | `generation_time_ms` | usage |
-//! | vLLM / SGLang | OTLP spans joined by trace id (see `tokenscope-otlp`) | `gen_ai.latency.time_in_queue` | `…time_in_model_prefill` | `…time_in_model_decode` | `gen_ai.usage.*` |
+//! | vLLM / SGLang | OTLP spans joined by trace id later (see `tokenscope-otlp`, `tokenscope_store::late`) | `gen_ai.latency.time_in_queue` | `…time_in_model_prefill` | `…time_in_model_decode` | `gen_ai.usage.*` |
 //! | TGI | response headers (router `server.rs`: whole ms) | `x-queue-time` | — | — | `x-prompt-tokens`, `x-generated-tokens` |
 //!
-//! Every phase value states its source (`engine`, `derived`, `none`). `kind = "auto"` detects
-//! the engine from what the response carries; a configured kind is trusted (the kinds:
-//! [`EngineKind`], defined in `tokenscope_core::engine`).
+//! Every phase value states its source (`engine`, `derived`, `none`). When no engine number
+//! gives the queue and the request has a TTFT (streamed) and an engine prefill, the queue is
+//! derived as TTFT − prefill − the gateway's own overhead (at least 0), source `derived`: it
+//! then also holds whatever the engine does not account for (HTTP, tokenisation, waiting for
+//! the current step). `kind = "auto"` detects the engine from what the response carries; a
+//! configured kind is trusted (the kinds: [`EngineKind`], defined in `tokenscope_core::engine`).
 
 use http::HeaderMap;
 

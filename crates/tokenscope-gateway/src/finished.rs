@@ -41,10 +41,12 @@ pub(crate) struct Tracing {
 }
 
 /// What the trace of a finished request needs besides its record.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct TraceFacts {
     pub trace: tokenscope_trace::RequestTrace,
     pub times: tokenscope_trace::SpanTimes,
+    /// The engine's response id (`gen_ai.response.id`), not a column of the record.
+    pub response_id: Option<String>,
 }
 
 /// What finishing a record may still wait for (see the module docs).
@@ -269,6 +271,7 @@ impl Fanout {
                     user_bucket: &user_bucket,
                     server,
                     reason,
+                    response_id: trace.response_id.as_deref(),
                 },
             );
             t.exporter.submit(spans);

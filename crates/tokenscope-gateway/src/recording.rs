@@ -146,6 +146,7 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
         times: tokenscope_trace::SpanTimes {
             upstream_sent_ms: p.facts.upstream_sent_ms(),
         },
+        response_id: p.facts.take_response_id(),
     };
     drop(p.in_flight.take());
     let counts = Counts {

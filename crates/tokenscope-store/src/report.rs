@@ -1159,7 +1159,9 @@ pub fn render(rows: &[ReportRow], q: &ReportQuery, format: Format) -> String {
             let mut table = Table::new();
             table
                 .load_style(presets::UTF8_FULL_CONDENSED)
-                .set_content_arrangement(ContentArrangement::Disabled);
+                // The analyses' house style (tokenscope_analysis::render::table): fits the
+                // terminal; off a terminal no width is known and no row wraps.
+                .set_content_arrangement(ContentArrangement::Dynamic);
             let mut header: Vec<String> = Vec::new();
             if q.interval.is_some() {
                 header.push("bucket (UTC)".to_owned());
@@ -1168,8 +1170,18 @@ pub fn render(rows: &[ReportRow], q: &ReportQuery, format: Format) -> String {
             let numeric_from = header.len();
             header.extend(
                 [
-                    "count", "ok %", "qps", "ttft p50", "ttft p95", "ttft p99", "tpot p50",
-                    "tpot p95", "tpot p99", "e2e p50", "e2e p95", "e2e p99",
+                    "count",
+                    "ok (%)",
+                    "qps (req/s)",
+                    "ttft p50 (ms)",
+                    "ttft p95 (ms)",
+                    "ttft p99 (ms)",
+                    "tpot p50 (ms)",
+                    "tpot p95 (ms)",
+                    "tpot p99 (ms)",
+                    "e2e p50 (ms)",
+                    "e2e p95 (ms)",
+                    "e2e p99 (ms)",
                 ]
                 .map(str::to_owned),
             );
@@ -1181,18 +1193,18 @@ pub fn render(rows: &[ReportRow], q: &ReportQuery, format: Format) -> String {
             if phases {
                 header.extend(
                     [
-                        "queue p50",
-                        "queue p99",
-                        "prefill p50",
-                        "prefill p99",
-                        "decode p50",
-                        "decode p99",
+                        "queue p50 (ms)",
+                        "queue p99 (ms)",
+                        "prefill p50 (ms)",
+                        "prefill p99 (ms)",
+                        "decode p50 (ms)",
+                        "decode p99 (ms)",
                         "queue % ttft",
                     ]
                     .map(str::to_owned),
                 );
             }
-            header.extend(["in tok", "out tok"].map(str::to_owned));
+            header.extend(["in (tokens)", "out (tokens)"].map(str::to_owned));
             table.set_header(header.iter().map(Cell::new));
             for r in rows {
                 let mut cells: Vec<String> = Vec::with_capacity(header.len());

@@ -78,6 +78,7 @@ fn per_request(c: &mut Criterion) {
         user_bucket: "u07",
         server: Some(("10.0.0.7", 8000)),
         reason: KeepReason::Ratio,
+        response_id: None,
     };
     g.bench_function("kept: build 5 spans", |b| {
         b.iter(|| build_spans(black_box(&rec), &input))

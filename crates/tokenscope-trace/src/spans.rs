@@ -13,8 +13,9 @@
 //! plus a `first_token` event on the root at TTFT.
 //!
 //! A streamed request with a TTFT carries the convention's
-//! `gen_ai.response.time_to_first_chunk` (seconds) on the root. `gen_ai.response.id` is not
-//! set: the record does not keep the engine's response id (`chatcmpl-…`).
+//! `gen_ai.response.time_to_first_chunk` (seconds) and `gen_ai.response.id` (the engine's
+//! response id, `chatcmpl-…`, when the response carried one; it is not a column of the
+//! record) on the root.
 //!
 //! Invariants:
 //! * Times: the root starts at the record's wall-clock arrival (`created_at`); every other
@@ -55,6 +56,8 @@ pub struct SpanInput<'a> {
     pub server: Option<(&'a str, u16)>,
     /// Why the trace was kept.
     pub reason: KeepReason,
+    /// The engine's response id (`chatcmpl-…`), when the response carried one.
+    pub response_id: Option<&'a str>,
 }
 
 fn kv(key: &str, value: Value) -> KeyValue {
@@ -197,6 +200,9 @@ pub fn build_spans(rec: &RequestRecord, input: &SpanInput<'_>) -> Vec<Span> {
     if let Some((host, port)) = input.server {
         a.push(s("server.address", host));
         a.push(i("server.port", u64::from(port)));
+    }
+    if let Some(id) = input.response_id {
+        a.push(s("gen_ai.response.id", id));
     }
     if rec.http_status != 0 {
         a.push(i("http.response.status_code", u64::from(rec.http_status)));
@@ -373,6 +379,7 @@ mod tests {
             user_bucket: "u07",
             server: None,
             reason: KeepReason::Ratio,
+            response_id: None,
         };
         let mut rec = record();
         rec.stream = true;
@@ -382,6 +389,14 @@ mod tests {
             Some(&Value::DoubleValue(0.3025))
         );
         assert_eq!(attr(&spans[0], "gen_ai.response.id"), None);
+        let with_id = SpanInput {
+            response_id: Some("chatcmpl-42"),
+            ..input
+        };
+        assert_eq!(
+            attr(&build_spans(&rec, &with_id)[0], "gen_ai.response.id"),
+            Some(&Value::StringValue("chatcmpl-42".into()))
+        );
         rec.stream = false;
         let spans = build_spans(&rec, &input);
         assert_eq!(attr(&spans[0], "gen_ai.response.time_to_first_chunk"), None);
@@ -405,6 +420,7 @@ mod tests {
             user_bucket: "u07",
             server: Some(("127.0.0.1", 8080)),
             reason: KeepReason::Ratio,
+            response_id: None,
         };
         let spans = build_spans(&rec, &input);
         let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
@@ -495,6 +511,7 @@ mod tests {
             user_bucket: "none",
             server: None,
             reason: KeepReason::Error,
+            response_id: None,
         };
         let spans = build_spans(&rec, &input);
         assert_eq!(spans.len(), 1);

@@ -63,6 +63,7 @@ fn trace_spans(n: usize) -> Vec<(String, Vec<tokenscope_trace::Span>)> {
                     user_bucket: "u1",
                     server: None,
                     reason: KeepReason::Ratio,
+                    response_id: None,
                 },
             );
             (trace.trace_id_hex(), spans)

@@ -39,6 +39,8 @@ pub(crate) struct ResponseFacts {
     tgi: Option<TgiHeaders>,
     finish_reason: Option<String>,
     model_served: Option<String>,
+    /// The engine's response id (the first payload that carries one).
+    response_id: Option<String>,
     output_bytes: usize,
     /// A body or event that should have been JSON was not.
     malformed: bool,
@@ -63,6 +65,7 @@ impl ResponseFacts {
             tgi: None,
             finish_reason: None,
             model_served: None,
+            response_id: None,
             output_bytes: 0,
             malformed: false,
             stream_error: false,
@@ -108,6 +111,11 @@ impl ResponseFacts {
         self.timer.upstream_sent_ms()
     }
 
+    /// The engine's response id, taken out (the trace's `gen_ai.response.id`).
+    pub(crate) fn take_response_id(&mut self) -> Option<String> {
+        self.response_id.take()
+    }
+
     /// The kept output text (see [`Self::keep_output_text`]).
     pub(crate) fn take_output_text(&mut self) -> Option<String> {
         self.output_text.take()
@@ -151,6 +159,9 @@ impl ResponseFacts {
                 if self.model_served.is_none() {
                     self.model_served = info.model.map(|m| m.into_owned());
                 }
+                if self.response_id.is_none() {
+                    self.response_id = info.id.map(|i| i.into_owned());
+                }
                 self.stream_error |= info.is_error;
                 strip_this
             }
@@ -176,6 +187,9 @@ impl ResponseFacts {
                 }
                 if let Some(m) = info.model {
                     self.model_served = Some(m.into_owned());
+                }
+                if let Some(i) = info.id {
+                    self.response_id = Some(i.into_owned());
                 }
                 self.output_bytes += info.output_bytes;
             }

@@ -357,3 +357,45 @@ fn json_logs_are_one_object_per_line() {
         assert!(!logged.contains("\x1b["));
     }
 }
+
+/// `--since` / `--until` take a date (its UTC midnight), an RFC 3339 time with `Z` or an
+/// offset, `@UNIX_SECONDS` and a duration before now: the same window written four ways gives
+/// the same report.
+#[test]
+fn since_and_until_accept_dates_and_rfc3339() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let store = fixture(dir.path());
+    let report = |since: &str, until: &str| -> serde_json::Value {
+        let out = run(&[
+            "report", "--store", &store, "--since", since, "--until", until, "--format", "json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{since} .. {until}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("json")
+    };
+    // T0 is 2025-12-02T00:00:00Z.
+    let unix = report(&format!("@{T0}"), &format!("@{}", T0 + 60));
+    assert_eq!(unix[0]["count"], 40, "{unix}");
+    assert_eq!(report("2025-12-02", "2025-12-02T00:01:00Z"), unix);
+    assert_eq!(
+        report("2025-12-02T01:00:00+01:00", "2025-12-02T00:01:00.000Z"),
+        unix
+    );
+    // A window that ends before the fixture starts holds nothing.
+    let before = report("2025-12-01", "2025-12-01T23:59:59Z");
+    assert!(
+        before.as_array().is_none_or(|rows| rows.is_empty()) || before[0]["count"] == 0,
+        "{before}"
+    );
+    // A bad bound names the accepted forms and exits non-zero.
+    let bad = run(&["report", "--store", &store, "--since", "yesterday"]);
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--since"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}

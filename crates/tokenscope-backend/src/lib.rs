@@ -52,16 +52,32 @@ impl StoreTarget {
         }
     }
 
-    /// The spool directory used unless `[spool] dir` says otherwise.
-    pub fn default_spool_dir(&self) -> PathBuf {
+    /// A file or directory kept beside the store: `<sqlite file><suffix>`, or `elsewhere`
+    /// (relative to the working directory) for ClickHouse.
+    fn beside(&self, suffix: &str, elsewhere: &str) -> PathBuf {
         match self {
             StoreTarget::Sqlite(p) => {
                 let mut s = p.clone().into_os_string();
-                s.push(".spool");
+                s.push(suffix);
                 s.into()
             }
-            StoreTarget::ClickHouse(_) => "./tokenscope-spool".into(),
+            StoreTarget::ClickHouse(_) => elsewhere.into(),
         }
+    }
+
+    /// The spool directory used unless `[spool] dir` says otherwise.
+    pub fn default_spool_dir(&self) -> PathBuf {
+        self.beside(".spool", "./tokenscope-spool")
+    }
+
+    /// The business-metric sidecar file (`POST /api/business-metrics` appends to it,
+    /// `tokenscope budget` reads it): `<sqlite file>.business-metrics.jsonl`, or
+    /// `./tokenscope-business-metrics.jsonl` for ClickHouse.
+    pub fn business_metrics_path(&self) -> PathBuf {
+        self.beside(
+            ".business-metrics.jsonl",
+            "./tokenscope-business-metrics.jsonl",
+        )
     }
 
     /// The location without credentials, for logs.

@@ -16,7 +16,7 @@
 //! * `POST /api/business-metrics` — business-metric values per business line for the budget
 //!   growth check: `{"business_line": "search", "value": 1200, "at": UNIX_SECONDS}` (`at`
 //!   optional, default now) or an array of them; appended to the store's sidecar file
-//!   (`crate::cost::business_metrics_path`), read by `tokenscope budget`. Bounded: at most
+//!   (`StoreTarget::business_metrics_path`), read by `tokenscope budget`. Bounded: at most
 //!   `[admin] business_metrics_max_points` values per call (413), `business_metrics_max_lines`
 //!   distinct business lines (429) and `business_metrics_max_bytes` of file (507), each a JSON
 //!   error; nothing of a refused call is written.

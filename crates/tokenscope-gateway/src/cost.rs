@@ -330,20 +330,6 @@ pub fn seed_from_store(
     }
 }
 
-/// The business-metric sidecar file of a store: `<sqlite file>.business-metrics.jsonl`, or
-/// `./tokenscope-business-metrics.jsonl` for ClickHouse. `tokenscope budget` reads the same
-/// path by default.
-pub fn business_metrics_path(target: &crate::StoreTarget) -> std::path::PathBuf {
-    match target {
-        crate::StoreTarget::Sqlite(p) => {
-            let mut s = p.clone().into_os_string();
-            s.push(".business-metrics.jsonl");
-            s.into()
-        }
-        crate::StoreTarget::ClickHouse(_) => "./tokenscope-business-metrics.jsonl".into(),
-    }
-}
-
 /// Bounds of the business-metric sidecar (`[admin] business_metrics_max_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BusinessMetricsLimits {

@@ -450,7 +450,7 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
     let shared = Arc::new(Shared {
         api_keys: cfg.api_key_map(),
         business_metrics: Arc::new(cost::BusinessMetricsFile::with_limits(
-            cost::business_metrics_path(&target),
+            target.business_metrics_path(),
             cost::BusinessMetricsLimits {
                 max_bytes: cfg.admin.business_metrics_max_bytes,
                 max_lines: cfg.admin.business_metrics_max_lines,

@@ -87,9 +87,7 @@ pub fn run(args: BudgetArgs) -> Result<()> {
     let (path, explicit) = match &args.business_metrics {
         Some(p) => (p.clone(), true),
         None => (
-            tokenscope_gateway::cost::business_metrics_path(
-                &tokenscope_gateway::StoreTarget::parse(&input.store),
-            ),
+            tokenscope_backend::StoreTarget::parse(&input.store).business_metrics_path(),
             false,
         ),
     };

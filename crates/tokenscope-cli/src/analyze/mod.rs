@@ -17,8 +17,8 @@ use clap::Args;
 use std::path::PathBuf;
 use tokenscope_analysis::{Format, PriceTable, Window};
 use tokenscope_backend::{open_reader, StoreTarget};
+use tokenscope_config::GatewayConfig;
 use tokenscope_core::RequestRecord;
-use tokenscope_gateway::GatewayConfig;
 
 /// Options every analysis command takes.
 #[derive(Args, Debug, Clone)]

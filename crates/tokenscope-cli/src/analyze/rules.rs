@@ -34,7 +34,7 @@ pub enum ExportWhat {
 pub fn run(args: ExportArgs) -> Result<()> {
     match args.what {
         ExportWhat::PrometheusRules => {
-            let cfg = tokenscope_gateway::GatewayConfig::load(args.config.as_deref())
+            let cfg = tokenscope_config::GatewayConfig::load(args.config.as_deref())
                 .context("loading the gateway config")?;
             let yaml = tokenscope_analysis::rules::prometheus_rules(&cfg.alerts.thresholds);
             let mut out = std::io::stdout().lock();
@@ -44,7 +44,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
             Ok(())
         }
         ExportWhat::Grafana(g) => {
-            let cfg = tokenscope_gateway::GatewayConfig::load(args.config.as_deref())
+            let cfg = tokenscope_config::GatewayConfig::load(args.config.as_deref())
                 .context("loading the gateway config")?;
             super::grafana::run(&g, &cfg.alerts.thresholds)
         }

@@ -307,18 +307,13 @@ fn percent_decode(s: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
-/// The URL with its password replaced by `***` (for error messages).
+/// The URL with its password replaced by `***` (for error messages); anything that is not a
+/// `clickhouse://` URL is not echoed at all.
 fn redact_url(s: &str) -> String {
-    let Some(rest) = s.strip_prefix("clickhouse://") else {
-        return "<not a clickhouse:// URL>".to_owned();
-    };
-    let end = rest.find(['/', '?']).unwrap_or(rest.len());
-    match rest[..end].rsplit_once('@') {
-        Some((userinfo, hp)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            format!("clickhouse://{user}:***@{hp}{}", &rest[end..])
-        }
-        None => s.to_owned(),
+    if s.starts_with("clickhouse://") {
+        tokenscope_core::redact_url(s)
+    } else {
+        "<not a clickhouse:// URL>".to_owned()
     }
 }
 

@@ -22,6 +22,10 @@
 //! configuration's and are ignored; below a top-level setting, a key that names nothing is an
 //! error. `TOKENSCOPE_UPSTREAM=URL` replaces the upstream list with one default upstream.
 //!
+//! Upstream credentials: `api_key_env` / `api_key_file`, `client_authorization` and
+//! `[upstreams.headers]` on an `[[upstreams]]` entry ([`credentials`]), resolved when the
+//! gateway starts, never logged.
+//!
 //! API keys: `[[api_keys]]` entries map a key to a tenant and business line. Give `key_sha256`
 //! (hex SHA-256 of the key) to keep raw keys out of the file; a raw `key` is accepted and hashed
 //! at load. Records only ever carry a short fingerprint (`api_key_id`), never a key.
@@ -29,10 +33,12 @@
 
 pub mod alerts;
 pub mod auth;
+pub mod credentials;
 pub mod layer;
 
 pub use alerts::{AlertSettings, AlertsSection};
 pub use auth::{AdminSection, DashboardSection};
+pub use credentials::{ClientAuthorization, SecretSource, UpstreamCredentials};
 pub use tokenscope_core::engine::{Engine, EngineKind};
 
 use serde::Deserialize;
@@ -340,6 +346,20 @@ pub struct UpstreamConfig {
     /// `/v1/models` fetch of the model labels (`crate::models`) with it.
     #[serde(default = "default_scrape_interval_ms")]
     pub scrape_interval_ms: u64,
+    /// An API key sent as `Authorization: Bearer <key>`, read from this environment variable
+    /// at start-up ([`credentials`]).
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    /// The same, read from this file (contents trimmed).
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
+    /// What happens to the client's credentials here: `replace` or `keep` (default: `replace`
+    /// when credentials are configured, else `keep`; [`credentials`]).
+    #[serde(default)]
+    pub client_authorization: Option<credentials::ClientAuthorization>,
+    /// Extra headers sent here: a literal value, `{ env = "VAR" }` or `{ file = "PATH" }`.
+    #[serde(default)]
+    pub headers: std::collections::BTreeMap<String, credentials::SecretSource>,
 }
 
 fn default_scrape_interval_ms() -> u64 {
@@ -634,6 +654,10 @@ impl GatewayConfig {
             request_metrics: false,
             metrics_url: None,
             scrape_interval_ms: default_scrape_interval_ms(),
+            api_key_env: None,
+            api_key_file: None,
+            client_authorization: None,
+            headers: std::collections::BTreeMap::new(),
         }];
     }
 
@@ -687,6 +711,7 @@ impl GatewayConfig {
                     redact_url(&u.url)
                 )));
             }
+            credentials::validate(u).map_err(ConfigError::Invalid)?;
         }
         self.tracing.validate()?;
         self.alerts.validate()?;

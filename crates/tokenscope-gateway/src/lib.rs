@@ -8,8 +8,9 @@
 //!   and the request path's state; `running` — [`Gateway::run`]: serving and shutdown.
 //! * `proxy` — the request path (measured endpoints and pass-through), composed of:
 //!   `attribution` (who the request is for, its ids), `plan` (one parse of the body, the body
-//!   forwarded), `forward` (the upstream request and the response head), `failure` (the one
-//!   failure path), `body` (`MeteredBody`: forwards and measures the response).
+//!   forwarded), `forward` (the upstream request with the upstream's credentials, and the
+//!   response head), `failure` (the one failure path), `body` (`MeteredBody`: forwards and
+//!   measures the response), `routing` (the model a pass-through request names).
 //! * `recording` — the exactly-one-record guarantee (`RecordGuard`); `facts` — what the
 //!   exchange told (`ResponseFacts`) and the pure derivation of the record's fields from it.
 //! * `finished` — `Fanout`: everything a finished record feeds (cost, budgets, tail sampling,
@@ -17,7 +18,8 @@
 //! * `shared` — `Shared`, the state every handler reads, and the upstreams it routes to.
 //! * `admin` — `/metrics` and the admin API on a separate listener; [`auth`] — who may call
 //!   which admin route; [`dashboard`]; [`alerting`]; [`cost`].
-//! * [`models`] — the models the upstreams serve, reserved as metric labels.
+//! * [`models`] — the models the upstreams serve, reserved as metric labels, and the union of
+//!   their lists answering `GET /v1/models` when there are several upstreams.
 //!
 //! Invariants (the hot-path/sink boundary):
 //! * The request path never awaits a store, an exporter or a lock held across I/O. A finished
@@ -46,6 +48,7 @@ pub mod models;
 mod plan;
 mod proxy;
 mod recording;
+mod routing;
 mod running;
 mod server;
 mod shared;

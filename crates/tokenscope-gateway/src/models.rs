@@ -17,15 +17,33 @@
 //!   is normal) and retried at the next round.
 //! * At most `max_models` names are ever reserved (the labeler's bound).
 //! * URLs in logs are redacted (`crate::redact_url`).
+//!
+//! The same lists answer a client's `GET /v1/models` (or `/models`) when several upstreams
+//! are configured ([`union`]): each upstream is asked on the request's task, at once, with
+//! the client's headers and the upstream's credentials (`crate::forward::listing`), within
+//! [`FETCH_TIMEOUT`] and [`MAX_BODY_BYTES`]; the answer is `{"object":"list","data":[…]}`, the
+//! `data` items in upstream order, each exactly as its upstream wrote it, an id listed by two
+//! upstreams given once (the first upstream's item). An upstream that fails, times out or
+//! answers something else is skipped (logged at debug); none answering → `502`. The
+//! upstreams' literal `models` names are not added to that list: an engine that does not list
+//! a model may still not serve it, and the item would be the gateway's invention. With one
+//! upstream `/v1/models` is an ordinary pass-through (its answer byte for byte, llama.cpp's
+//! extra `models` key included).
 
+use crate::failure::error_response;
+use crate::shared::{Shared, Upstream};
+use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use http::Uri;
+use http::request::Parts;
+use http::{StatusCode, Uri};
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use serde_json::value::RawValue;
 use std::sync::Arc;
 use std::time::Duration;
+use tokenscope_config::UpstreamCredentials;
 use tokenscope_telemetry::Metrics;
 
 /// Period of the `/v1/models` refresh.
@@ -71,12 +89,14 @@ fn models_uri(base: &Uri) -> Option<Uri> {
 async fn fetch(
     client: &Client<HttpConnector, Empty<Bytes>>,
     uri: &Uri,
+    creds: &UpstreamCredentials,
 ) -> Result<Vec<String>, String> {
-    let req = http::Request::get(uri.clone())
+    let mut req = http::Request::get(uri.clone())
         .header(http::header::ACCEPT, "application/json")
         .header(http::header::USER_AGENT, "tokenscope-gateway")
         .body(Empty::<Bytes>::new())
         .map_err(|e| e.to_string())?;
+    creds.apply(req.headers_mut());
     let exchange = async {
         let resp = client.request(req).await.map_err(|e| e.to_string())?;
         if !resp.status().is_success() {
@@ -94,18 +114,30 @@ async fn fetch(
         .map_err(|_| format!("no answer within {FETCH_TIMEOUT:?}"))?
 }
 
+/// One upstream, as the model-label task sees it.
+pub(crate) struct Served {
+    pub name: String,
+    pub base: Uri,
+    /// Its `models` patterns.
+    pub patterns: Vec<String>,
+    /// Polled in the background (`scrape_interval_ms > 0`).
+    pub polled: bool,
+    /// Sent with each fetch (an upstream behind a key answers `/v1/models` only with it).
+    pub creds: UpstreamCredentials,
+}
+
 /// Reserves the upstreams' literal model names now, starts the `/v1/models` task for the
-/// upstreams polled in the background (`true`: `scrape_interval_ms > 0`) and waits for its
-/// first round (at most [`FIRST_ROUND_WAIT`]).
-pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[(String, Uri, Vec<String>, bool)]) {
-    metrics.reserve_models(upstreams.iter().flat_map(|(_, _, m, _)| literal_names(m)));
-    let targets: Vec<(String, Uri, String)> = upstreams
+/// upstreams polled in the background and waits for its first round (at most
+/// [`FIRST_ROUND_WAIT`]).
+pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[Served]) {
+    metrics.reserve_models(upstreams.iter().flat_map(|u| literal_names(&u.patterns)));
+    let targets: Vec<(String, Uri, String, UpstreamCredentials)> = upstreams
         .iter()
-        .filter(|(_, _, _, polled)| *polled)
-        .filter_map(|(name, base, _, _)| {
-            let uri = models_uri(base)?;
+        .filter(|u| u.polled)
+        .filter_map(|u| {
+            let uri = models_uri(&u.base)?;
             let shown = crate::redact_url(&uri.to_string());
-            Some((name.clone(), uri, shown))
+            Some((u.name.clone(), uri, shown, u.creds.clone()))
         })
         .collect();
     if targets.is_empty() {
@@ -121,9 +153,11 @@ pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[(String, Uri, Vec<
         let mut first = Some(tx);
         loop {
             // The upstreams at once: a round lasts at most one FETCH_TIMEOUT.
-            let round = targets.iter().map(|(_, uri, _)| fetch(&client, uri));
+            let round = targets
+                .iter()
+                .map(|(_, uri, _, creds)| fetch(&client, uri, creds));
             let results = futures_util::future::join_all(round).await;
-            for ((name, _, shown), result) in targets.iter().zip(results) {
+            for ((name, _, shown, _), result) in targets.iter().zip(results) {
                 match result {
                     Ok(ids) => {
                         let added = metrics.reserve_models(&ids);
@@ -145,9 +179,153 @@ pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[(String, Uri, Vec<
     let _ = tokio::time::timeout(FIRST_ROUND_WAIT, rx).await;
 }
 
+/// Whether a request asks for the model list: `GET /v1/models` or `GET /models`.
+pub(crate) fn is_listing(parts: &Parts) -> bool {
+    parts.method == http::Method::GET && matches!(parts.uri.path(), "/v1/models" | "/models")
+}
+
+/// The `data` items of a model list, each as written.
+fn list_items(body: &[u8]) -> Option<Vec<&RawValue>> {
+    #[derive(serde::Deserialize)]
+    struct List<'a> {
+        #[serde(borrow)]
+        data: Vec<&'a RawValue>,
+    }
+    serde_json::from_slice::<List<'_>>(body)
+        .ok()
+        .map(|l| l.data)
+}
+
+/// The `id` of one item, if it is a string.
+fn item_id(item: &RawValue) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Id {
+        id: Option<String>,
+    }
+    serde_json::from_str::<Id>(item.get()).ok()?.id
+}
+
+/// `{"object":"list","data":[…]}` of the lists in order: items as written, an id given once
+/// (its first item), items without an id kept.
+fn merge<'a>(lists: impl IntoIterator<Item = Vec<&'a RawValue>>) -> Vec<u8> {
+    let mut seen = std::collections::HashSet::new();
+    let mut out = br#"{"object":"list","data":["#.to_vec();
+    let mut first = true;
+    for item in lists.into_iter().flatten() {
+        if let Some(id) = item_id(item) {
+            if !seen.insert(id) {
+                continue;
+            }
+        }
+        if !first {
+            out.push(b',');
+        }
+        first = false;
+        out.extend_from_slice(item.get().as_bytes());
+    }
+    out.extend_from_slice(b"]}");
+    out
+}
+
+/// One upstream's answer to the client's list request (2xx, at most [`MAX_BODY_BYTES`],
+/// within [`FETCH_TIMEOUT`]).
+async fn fetch_list(upstream: &Upstream, parts: &Parts) -> Result<Bytes, String> {
+    let req = crate::forward::listing(parts, &upstream.base, &upstream.creds)
+        .map_err(|f| format!("{f:?}"))?;
+    let exchange = async {
+        let (resp, conn) = crate::upconn::send(&upstream.pool, req)
+            .await
+            .map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("HTTP {}", resp.status()));
+        }
+        let body = crate::upconn::PooledBody::new(resp.into_body(), conn);
+        Limited::new(body, MAX_BODY_BYTES)
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .map_err(|e| e.to_string())
+    };
+    tokio::time::timeout(FETCH_TIMEOUT, exchange)
+        .await
+        .map_err(|_| format!("no answer within {FETCH_TIMEOUT:?}"))?
+}
+
+/// The answer to a client's `GET /v1/models` with several upstreams: the union of their lists
+/// (see the module docs).
+pub(crate) async fn union(shared: &Shared, parts: &Parts) -> Response {
+    let answers =
+        futures_util::future::join_all(shared.upstreams.iter().map(|u| fetch_list(u, parts))).await;
+    let mut lists = Vec::new();
+    let mut failed = Vec::new();
+    for (u, answer) in shared.upstreams.iter().zip(&answers) {
+        let why = match answer {
+            Ok(body) => match list_items(body) {
+                Some(items) => {
+                    lists.push(items);
+                    continue;
+                }
+                None => "not a {\"data\": […]} list".to_owned(),
+            },
+            Err(e) => e.clone(),
+        };
+        tracing::debug!(upstream = %u.name, path = parts.uri.path(), error = %why, "no model list");
+        failed.push(format!("{}: {why}", u.name));
+    }
+    if lists.is_empty() {
+        return error_response(
+            StatusCode::BAD_GATEWAY,
+            "upstream_failed",
+            &format!(
+                "no upstream answered with a model list ({})",
+                failed.join("; ")
+            ),
+        );
+    }
+    (
+        [(http::header::CONTENT_TYPE, "application/json")],
+        merge(lists),
+    )
+        .into_response()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lists_merge_in_upstream_order_first_id_wins() {
+        let a = br#"{"object":"list","data":[{"id":"m1","owned_by":"a", "x":{"z":1,"a":2}},{"id":"shared","owned_by":"a"}],"models":[{"name":"m1"}]}"#;
+        let b = br#"{"data":[{"owned_by":"b","id":"shared"},{"id":"m2","object":"model"},{"no_id":true}]}"#;
+        let merged = merge([
+            list_items(a).expect("list a"),
+            list_items(b).expect("list b"),
+        ]);
+        assert_eq!(
+            std::str::from_utf8(&merged).expect("utf-8"),
+            r#"{"object":"list","data":[{"id":"m1","owned_by":"a", "x":{"z":1,"a":2}},{"id":"shared","owned_by":"a"},{"id":"m2","object":"model"},{"no_id":true}]}"#,
+            "items as written (key order and spacing), the first upstream's item of an id"
+        );
+        assert!(list_items(b"{\"models\":[]}").is_none());
+        assert!(list_items(b"nope").is_none());
+        assert_eq!(
+            merge(Vec::<Vec<&RawValue>>::new()),
+            br#"{"object":"list","data":[]}"#
+        );
+        let get = |uri: &str, method: &str| {
+            http::Request::builder()
+                .method(method)
+                .uri(uri)
+                .body(())
+                .expect("request")
+                .into_parts()
+                .0
+        };
+        assert!(is_listing(&get("/v1/models", "GET")));
+        assert!(is_listing(&get("/models?x=1", "GET")));
+        assert!(!is_listing(&get("/v1/models", "POST")));
+        assert!(!is_listing(&get("/v1/models/m1", "GET")));
+    }
 
     #[test]
     fn model_lists_and_literal_names() {

@@ -145,6 +145,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     let up = match crate::forward::measured(
         &parts,
         &upstream.base,
+        &upstream.creds,
         forward.body,
         &traceparent,
         ids.shown(),
@@ -290,33 +291,52 @@ fn respond(
     out
 }
 
-/// Every other path: forwarded to the default upstream unchanged, streamed both ways, not
-/// measured.
+/// Every other path: forwarded unchanged to the upstream of the model it names
+/// ([`crate::routing`]; the default upstream when it names none), streamed both ways, not
+/// measured. `GET /v1/models` with several upstreams is answered with the union of their lists
+/// ([`crate::models::union`]).
 pub(crate) async fn passthrough(State(shared): State<Arc<Shared>>, req: Request) -> Response {
-    let Some(upstream) = shared.route(None) else {
+    if shared.upstreams.is_empty() {
         return error_response(
             StatusCode::BAD_GATEWAY,
             "no_upstream",
             "no upstream configured",
         );
-    };
+    }
     let (parts, body) = req.into_parts();
-    // A body of known size (every ordinary API call) goes over the upstream's own pool, like a
-    // measured request: its connections are retired before the engine closes them and are not
-    // reused after a stream when the engine closes those (llama.cpp's native `/completion`
-    // streams too). Bodies of unknown length (chunked uploads) stream through the hyper-util
-    // client.
+    if shared.upstreams.len() > 1 && crate::models::is_listing(&parts) {
+        return crate::models::union(&shared, &parts).await;
+    }
+    // A body of known size (every ordinary API call) is read whole, routed by its model and
+    // goes over the upstream's own pool, like a measured request: its connections are retired
+    // before the engine closes them and are not reused after a stream when the engine closes
+    // those (llama.cpp's native `/completion` streams too). Bodies of unknown length (chunked
+    // uploads) stream through the hyper-util client, routed by the path alone.
     let known = match declared_length(&parts.headers) {
         Some(n) => usize::try_from(n).is_ok_and(|n| n <= shared.cfg.max_body_bytes),
         None => parts.method == http::Method::GET || parts.method == http::Method::HEAD,
     };
     if known && !parts.headers.contains_key(header::TRANSFER_ENCODING) {
-        return passthrough_pooled(&shared, upstream, parts, body).await;
+        let bytes = match read_body(body, shared.cfg.max_body_bytes, body_timeout(&shared)).await {
+            Ok(b) => b,
+            Err(BodyError::Timeout) => return Failure::BodyTimeout.response(),
+            Err(BodyError::TooLarge | BodyError::Failed) => return Failure::BodyFailed.response(),
+        };
+        let model = crate::routing::passthrough_model(&parts, Some(&bytes));
+        let Some(upstream) = shared.route(model.as_deref()) else {
+            return Failure::NoUpstream.response();
+        };
+        return passthrough_pooled(&shared, upstream, parts, bytes).await;
     }
-    let up = match crate::forward::passthrough_streamed(parts, &upstream.base, body) {
-        Ok(r) => r,
-        Err(failure) => return failure.response(),
+    let model = crate::routing::passthrough_model(&parts, None);
+    let Some(upstream) = shared.route(model.as_deref()) else {
+        return Failure::NoUpstream.response();
     };
+    let up =
+        match crate::forward::passthrough_streamed(parts, &upstream.base, &upstream.creds, body) {
+            Ok(r) => r,
+            Err(failure) => return failure.response(),
+        };
     match tokio::time::timeout(shared.cfg.upstream_timeout(), shared.client.request(up)).await {
         Err(_) => Failure::UpstreamTimeout.response(),
         Ok(Err(e)) => Failure::Upstream {
@@ -331,25 +351,21 @@ pub(crate) async fn passthrough(State(shared): State<Arc<Shared>>, req: Request)
     }
 }
 
-/// Pass-through of a request whose body has a known size, on the upstream's [`UpPool`]
-/// (read whole, at most `max_body_bytes`; the response is streamed).
+/// Pass-through of a request whose body has a known size and was read whole (`bytes`), on the
+/// upstream's [`UpPool`] (the response is streamed).
 ///
 /// [`UpPool`]: crate::upconn::UpPool
 async fn passthrough_pooled(
     shared: &Shared,
     upstream: &Upstream,
     parts: http::request::Parts,
-    body: Body,
+    bytes: Bytes,
 ) -> Response {
-    let bytes = match read_body(body, shared.cfg.max_body_bytes, body_timeout(shared)).await {
-        Ok(b) => b,
-        Err(BodyError::Timeout) => return Failure::BodyTimeout.response(),
-        Err(BodyError::TooLarge | BodyError::Failed) => return Failure::BodyFailed.response(),
-    };
-    let up = match crate::forward::passthrough_pooled(&parts, &upstream.base, bytes) {
-        Ok(r) => r,
-        Err(failure) => return failure.response(),
-    };
+    let up =
+        match crate::forward::passthrough_pooled(&parts, &upstream.base, &upstream.creds, bytes) {
+            Ok(r) => r,
+            Err(failure) => return failure.response(),
+        };
     let sent = tokio::time::timeout(
         shared.cfg.upstream_timeout(),
         crate::upconn::send(&upstream.pool, up),

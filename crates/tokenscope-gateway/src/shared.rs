@@ -5,7 +5,8 @@
 //! * Nothing in it is locked across I/O; engine and GPU state are lock-free snapshots of the
 //!   last scrape.
 //! * Routing is by model: the first upstream whose patterns match, else the default, else the
-//!   first one.
+//!   first one; measured requests by their body's `model`, pass-through requests by the model
+//!   [`crate::routing`] finds in them.
 //! * What happens after a record is final belongs to [`Fanout`]; start-up and shutdown state
 //!   (listeners, the pipeline handle, the background runtime) stays in [`crate::Gateway`].
 
@@ -28,6 +29,8 @@ pub(crate) struct Upstream {
     pub state: Option<EngineStateHandle>,
     /// Connections of measured requests (driven by the request's task, see `upconn`).
     pub pool: Arc<crate::upconn::UpPool>,
+    /// Its key and extra headers, resolved at start-up (`tokenscope_config::credentials`).
+    pub creds: config::UpstreamCredentials,
 }
 
 /// State shared by every request. Nothing in it is locked across I/O.

@@ -54,6 +54,25 @@ impl tokenscope_trace::ExportObserver for TraceMetricsObserver {
     }
 }
 
+/// The key and extra headers of upstream `u`, read now from the environment and files (a
+/// missing one refuses the start, naming the variable or file, never a value); logged by
+/// header name only.
+fn resolve_credentials(
+    u: &config::UpstreamConfig,
+) -> Result<config::UpstreamCredentials, ConfigError> {
+    let creds = config::UpstreamCredentials::resolve(u, |var| std::env::var(var).ok())
+        .map_err(|e| ConfigError::Invalid(e.to_string()))?;
+    if !creds.is_empty() {
+        tracing::info!(
+            upstream = %u.name,
+            headers = ?creds.names().collect::<Vec<_>>(),
+            client_authorization = creds.mode().as_str(),
+            "Upstream credentials."
+        );
+    }
+    Ok(creds)
+}
+
 /// Starts the exporter for `[tracing]` (on the current runtime), if an endpoint is set.
 fn start_tracing(
     cfg: &config::TracingSection,
@@ -307,6 +326,7 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
                 None
             };
             states.extend(state.clone());
+            let creds = resolve_credentials(u)?;
             upstreams.push(Upstream {
                 name: u.name.clone(),
                 pool: upconn::UpPool::new(
@@ -318,6 +338,7 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
                 base,
                 cfg: u.clone(),
                 state,
+                creds,
             });
         }
         let gpu = GpuStateHandle::spawn(&GpuConfig {
@@ -424,11 +445,14 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
     }
     // Model labels for the models the upstreams serve (config names now, `/v1/models` in
     // the background): client-chosen names cannot push them into `other`.
-    let served: Vec<(String, Uri, Vec<String>, bool)> = upstreams
+    let served: Vec<models::Served> = upstreams
         .iter()
-        .map(|u| {
-            let polled = u.cfg.scrape_interval_ms > 0;
-            (u.name.clone(), u.base.clone(), u.cfg.models.clone(), polled)
+        .map(|u| models::Served {
+            name: u.name.clone(),
+            base: u.base.clone(),
+            patterns: u.cfg.models.clone(),
+            polled: u.cfg.scrape_interval_ms > 0,
+            creds: u.creds.clone(),
         })
         .collect();
     models::start(metrics.clone(), &served).await;

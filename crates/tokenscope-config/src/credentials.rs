@@ -579,7 +579,12 @@ mod tests {
             ("api-key", "client-azure"),
             ("x-other", "kept"),
         ];
-        let cases: &[(&str, &[(&str, Option<&str>)])] = &[
+        /// (settings, the headers the upstream then gets: name, value or absent).
+        type Case = (
+            &'static str,
+            &'static [(&'static str, Option<&'static str>)],
+        );
+        let cases: &[Case] = &[
             // A key configured: replace by default, every client credential removed.
             (
                 "api_key_env = \"K\"\n",

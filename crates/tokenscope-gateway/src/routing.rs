@@ -23,9 +23,7 @@ use serde::Deserialize;
 
 /// Whether `h` declares a JSON body, or declares no type (then the body decides).
 fn json_type(h: &HeaderMap) -> Option<bool> {
-    let Some(ct) = h.get(header::CONTENT_TYPE) else {
-        return None;
-    };
+    let ct = h.get(header::CONTENT_TYPE)?;
     let mime = ct
         .to_str()
         .ok()

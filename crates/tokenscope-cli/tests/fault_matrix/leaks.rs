@@ -6,7 +6,9 @@
 //!   endpoint with passwords in their URLs (all unreachable, so the scrapers and fetchers log
 //!   their failures): nothing the gateway prints in its first seconds — stdout and stderr, at
 //!   debug for our crates — contains the password; the ready log line names the upstream
-//!   redacted (`ops:***@`).
+//!   redacted (`ops:***@`). The same secret as the upstream's key (`api_key_env`) and as a
+//!   literal `[upstreams.headers]` value is not printed either: the credentials line names
+//!   the headers only.
 //! * `top_k_user_labels_are_bounded`: `user_label = "top_k"` and a 1 KiB user id → its
 //!   `user_bucket` label is at most 64 bytes, marked with `~`, never the raw id; a short id
 //!   keeps its name.
@@ -36,6 +38,9 @@ name = "main"
 url = "http://ops:{SECRET}@127.0.0.1:{dead}"
 models = ["m"]
 scrape_interval_ms = 200
+api_key_env = "TS_LEAK_TEST_KEY"
+[upstreams.headers]
+"x-literal-secret" = "{SECRET}"
 
 [alerts]
 webhook_url = "http://hook:{SECRET}@127.0.0.1:{dead}/alerts"
@@ -53,10 +58,13 @@ otlp_endpoint = "http://otel:{SECRET}@127.0.0.1:{dead}"
             "--admin-listen",
             "127.0.0.1:0",
         ],
-        &[(
-            "TOKENSCOPE_LOG",
-            "info,tokenscope_gateway=debug,tokenscope_engine_state=debug",
-        )],
+        &[
+            (
+                "TOKENSCOPE_LOG",
+                "info,tokenscope_gateway=debug,tokenscope_engine_state=debug",
+            ),
+            ("TS_LEAK_TEST_KEY", SECRET),
+        ],
         dir.path(),
     );
     let mut stdout = child.stdout.take().expect("stdout");
@@ -90,6 +98,15 @@ otlp_endpoint = "http://otel:{SECRET}@127.0.0.1:{dead}"
         .find(|l| l.contains("Gateway ready."))
         .unwrap_or_else(|| panic!("no ready log line: {err}"));
     assert!(ready.contains("ops:***@127.0.0.1"), "{ready}");
+    // The upstream's key and a literal header value: their names only.
+    let creds = err
+        .lines()
+        .find(|l| l.contains("Upstream credentials."))
+        .unwrap_or_else(|| panic!("no credentials log line: {err}"));
+    assert!(
+        creds.contains("authorization") && creds.contains("x-literal-secret"),
+        "{creds}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,7 +18,7 @@
 //! * At most `max_models` names are ever reserved (the labeler's bound).
 //! * URLs in logs are redacted (`crate::redact_url`).
 //!
-//! The same lists answer a client's `GET /v1/models` (or `/models`) when several upstreams
+//! The same lists answer a client's `GET /v1/models` when several upstreams
 //! are configured ([`union`]): each upstream is asked on the request's task, at once, with
 //! the client's headers and the upstream's credentials (`crate::forward::listing`), within
 //! [`FETCH_TIMEOUT`] and [`MAX_BODY_BYTES`]; the answer is `{"object":"list","data":[…]}`, the
@@ -179,9 +179,11 @@ pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[Served]) {
     let _ = tokio::time::timeout(FIRST_ROUND_WAIT, rx).await;
 }
 
-/// Whether a request asks for the model list: `GET /v1/models` or `GET /models`.
+/// Whether a request asks for the model list: `GET /v1/models` (the query string is passed
+/// on). Other spellings (`/models`, llama.cpp's) stay pass-through to the default upstream:
+/// not every engine serves them, and its own answer (a 404) is then the faithful one.
 pub(crate) fn is_listing(parts: &Parts) -> bool {
-    parts.method == http::Method::GET && matches!(parts.uri.path(), "/v1/models" | "/models")
+    parts.method == http::Method::GET && parts.uri.path() == "/v1/models"
 }
 
 /// The `data` items of a model list, each as written.
@@ -322,7 +324,8 @@ mod tests {
                 .0
         };
         assert!(is_listing(&get("/v1/models", "GET")));
-        assert!(is_listing(&get("/models?x=1", "GET")));
+        assert!(is_listing(&get("/v1/models?x=1", "GET")));
+        assert!(!is_listing(&get("/models", "GET")));
         assert!(!is_listing(&get("/v1/models", "POST")));
         assert!(!is_listing(&get("/v1/models/m1", "GET")));
     }

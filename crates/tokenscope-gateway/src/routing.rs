@@ -12,9 +12,9 @@
 //!    percent-decoded, so `meta-llama/Llama-3` and `meta-llama%2FLlama-3` both work).
 //!
 //! Anything else — a body that is not JSON (multipart forms such as audio transcriptions), a
-//! JSON body that does not parse or has no string `model`, a chunked upload (its body
-//! streams through and is not read first) — goes to the default upstream, as before. The
-//! query string is not read.
+//! JSON body that does not parse or has no string `model`, a body of unknown length (chunked,
+//! or HTTP/2 without `content-length`: it streams through and is not read first) — goes to
+//! the default upstream, as before. The query string is not read.
 //!
 //! Invariant: pure and allocation-light; nothing here changes what is forwarded.
 

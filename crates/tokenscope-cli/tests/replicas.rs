@@ -497,6 +497,12 @@ async fn real_llama_replicas_spread_fail_over_and_probe_back() {
         }
     }
     assert!(replica_metric(&gw, "tokenscope_upstream_ejections_total", &rb).await >= 1.0);
+    eprintln!(
+        "kill phase: {} requests, {} after the kill (all ok), {} failed in flight on the killed replica",
+        sent.len(),
+        after.len(),
+        sent.iter().filter(|s| !s.ok).count()
+    );
 
     // 3. B restarted on the same port: after its ejection it is probed and serves again.
     let Some(_b2) = llama::start_on(b_port, &args).await else {
@@ -525,4 +531,5 @@ async fn real_llama_replicas_spread_fail_over_and_probe_back() {
         replica_metric(&gw, "tokenscope_upstream_replica_healthy", &rb).await,
         1.0
     );
+    eprintln!("restart phase: probed back after {i} requests");
 }

@@ -142,13 +142,13 @@ fn round_trip_full_and_sparse() {
             .expect("query"),
         "2023-11-14 22:13:20\t1700000000123456\talice\t1234\t1000.5\n"
     );
-    assert_eq!(store.schema_version().expect("version"), 3);
+    assert_eq!(store.schema_version().expect("version"), SCHEMA_VERSION);
     // Migrating again is a no-op.
     assert_eq!(store.migrate().expect("migrate"), SCHEMA_VERSION);
     assert_eq!(
         ch.query("SELECT count() FROM rt.tokenscope_schema_migrations FINAL")
             .trim(),
-        "3"
+        SCHEMA_VERSION.to_string()
     );
 }
 
@@ -329,12 +329,12 @@ fn concurrent_migrate_on_a_fresh_database() {
         })
         .collect();
     for t in threads {
-        assert_eq!(t.join().expect("join").expect("migrate"), 3);
+        assert_eq!(t.join().expect("join").expect("migrate"), SCHEMA_VERSION);
     }
     assert_eq!(
         ch.query("SELECT count() FROM conc.tokenscope_schema_migrations FINAL")
             .trim(),
-        "3"
+        SCHEMA_VERSION.to_string()
     );
     assert_eq!(
         ch.query("SELECT name FROM system.tables WHERE database = 'conc' ORDER BY name"),
@@ -730,7 +730,10 @@ fn v2_table_gains_client_request_id_and_keeps_its_rows() {
     );
     let old = store.get("v2-row").expect("get").expect("old row");
     assert_eq!(old.client_request_id, None);
-    assert_eq!((old.cache_creation_tokens, old.replica.as_str()), (None, ""));
+    assert_eq!(
+        (old.cache_creation_tokens, old.replica.as_str()),
+        (None, "")
+    );
     // Two requests with the same client id are two rows.
     let mut a = sparse_record("key-a");
     a.client_request_id = Some("shared".to_owned());

@@ -339,7 +339,7 @@ struct Sent {
 
 async fn send_one(url: &str, i: usize) -> Sent {
     let started = Instant::now();
-    let streamed = i % 2 == 0;
+    let streamed = i.is_multiple_of(2);
     let body = chat(8, streamed);
     if streamed {
         let s = stream(url, &body, &[], None).await;

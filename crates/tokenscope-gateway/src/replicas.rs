@@ -575,6 +575,63 @@ mod tests {
         drop(a);
     }
 
+    /// A replica that accepts and reads but never answers: the request times out (504),
+    /// is not sent elsewhere, and the replica is ejected.
+    #[tokio::test]
+    async fn no_response_head_in_time_ejects_without_retry() {
+        let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = silent.local_addr().expect("addr");
+        let held = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let h = held.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = silent.accept().await {
+                h.lock().push(s);
+            }
+        });
+        let base: Uri = format!("http://{addr}").parse().expect("uri");
+        let policy = EjectPolicy {
+            eject: Duration::from_secs(10),
+            max: Duration::from_secs(10),
+        };
+        // The same silent replica twice under two names: a retry would show as a second try.
+        let p = Replicas::new(
+            ["s0", "s1"]
+                .iter()
+                .map(|n| {
+                    Replica::new(
+                        "pool",
+                        (*n).to_owned(),
+                        base.clone(),
+                        UpPool::new(&base, Duration::from_secs(1), 1, Duration::ZERO),
+                        None,
+                        policy,
+                        ReplicaMetrics::default(),
+                    )
+                })
+                .collect(),
+        );
+        let mut tried = Vec::new();
+        let got = send(
+            "pool",
+            &p,
+            Duration::from_millis(300),
+            |_| {
+                Ok(Request::get("/")
+                    .body(Full::new(Bytes::new()))
+                    .expect("request"))
+            },
+            |r| tried.push(r.name.clone()),
+        )
+        .await;
+        assert!(matches!(got, Err(Failure::UpstreamTimeout)));
+        assert_eq!(tried.len(), 1, "{tried:?}");
+        let r = p.all().iter().find(|r| r.name == tried[0]).expect("tried");
+        assert!(!r.is_healthy());
+        assert_eq!(r.outstanding(), 0);
+    }
+
     #[tokio::test]
     async fn a_refused_connection_is_retried_on_the_next_replica() {
         // r0: nobody listens; r1: answers.

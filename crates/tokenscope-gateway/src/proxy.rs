@@ -10,10 +10,10 @@
 //!    and entry token estimate ([`crate::plan`]);
 //! 4. routing by model, then to a replica of the upstream ([`crate::replicas`]: least
 //!    outstanding requests among the healthy ones; a request whose connection could not be
-//!    opened goes to the next replica); the forwarded body (`include_usage` injected for streams that did not
-//!    ask for it, `include_metrics` for upstreams that report them) serialised at most once;
-//!    the entry tokenizer count started beside forwarding;
-//! 5. the upstream request ([`crate::forward`]) on a connection of the upstream's
+//!    opened goes to the next replica); the forwarded body (`include_usage` injected for
+//!    streams that did not ask for it, `include_metrics` for upstreams that report them)
+//!    serialised at most once; the entry tokenizer count started beside forwarding;
+//! 5. the upstream request ([`crate::forward`]) on a connection of the replica's
 //!    [`crate::upconn::UpPool`] that this request's task drives, with a header timeout (502 /
 //!    504 with a JSON error body: every failure goes through [`crate::failure::fail`]);
 //! 6. the response body is wrapped in [`MeteredBody`], which drives that connection, forwards

@@ -286,7 +286,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         redact_url(&cfg.store)
     );
     tracing::info!(proxy = %gw.proxy_addr(), admin = %gw.admin_addr(), store = %redact_url(&cfg.store),
-        upstreams = ?cfg.upstreams.iter().map(|u| redact_url(&u.url)).collect::<Vec<_>>(), "Gateway ready.");
+        upstreams = ?cfg.upstreams.iter().flat_map(|u| u.replica_urls().iter().map(|r| redact_url(r))).collect::<Vec<_>>(), "Gateway ready.");
     let summary = gw.run(shutdown_signal()).await?;
     if let Some((tx, task)) = mock_task {
         let _ = tx.send(());

@@ -79,6 +79,8 @@ fn records(now_us: i64) -> Vec<RequestRecord> {
                 engine_waiting: Some(((r >> 19) % 5) as f64),
                 engine_kv_usage: (r % 4 != 1).then_some(((r >> 13) % 1000) as f64 / 999.0),
                 gpu_utilization: (r % 5 != 1).then_some(((r >> 17) % 101) as f64 / 100.0),
+                cache_creation_tokens: (r % 6 == 0).then_some(input / 3),
+                replica: ["10.0.0.1:8000", "10.0.0.2:8000"][(r >> 21) as usize % 2].to_owned(),
                 ..RequestRecord::default()
             }
         })

@@ -475,6 +475,8 @@ fn parity_records(now_us: i64) -> Vec<tokenscope_core::RequestRecord> {
                 engine: Some(["vllm", "llamacpp"][(r >> 11) as usize % 2].to_owned()),
                 engine_kv_usage: (r % 4 != 1).then_some(((r >> 13) % 1000) as f64 / 999.0),
                 gpu_utilization: (r % 5 != 1).then_some(((r >> 17) % 101) as f64 / 100.0),
+                // Replicas of the one upstream, and records from before replicas (empty).
+                replica: ["10.0.0.1:8000", "10.0.0.2:8000", ""][(r >> 21) as usize % 3].to_owned(),
                 ..RequestRecord::default()
             }
         })
@@ -523,6 +525,15 @@ fn reports_are_identical_on_the_embedded_store_and_clickhouse() {
             "csv",
         ],
         vec!["--by", "engine,kv_band,gpu_band", "--format", "json"],
+        vec!["--by", "replica,stream", "--format", "json"],
+        vec![
+            "--by",
+            "model",
+            "--filter",
+            "replica=10.0.0.2:8000",
+            "--format",
+            "csv",
+        ],
         vec![
             "--by",
             "tenant",

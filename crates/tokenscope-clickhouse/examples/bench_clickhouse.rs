@@ -72,6 +72,8 @@ fn record(i: u64, now_us: i64) -> RequestRecord {
         gpu_memory_bandwidth: Some(0.5),
         cost_usd: Some(0.0001),
         client_request_id: None,
+        cache_creation_tokens: None,
+        replica: format!("10.0.0.{}:8000", i % 8),
     }
 }
 

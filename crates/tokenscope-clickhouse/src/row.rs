@@ -114,6 +114,8 @@ pub fn encode_row(buf: &mut Vec<u8>, r: &RequestRecord, row_version: u64) {
     put_opt_f64(buf, r.gpu_memory_bandwidth);
     put_opt_f64(buf, r.cost_usd);
     put_opt_str(buf, r.client_request_id.as_deref());
+    put_opt_u64(buf, r.cache_creation_tokens);
+    put_str(buf, &r.replica);
     buf.extend_from_slice(&row_version.to_le_bytes());
 }
 
@@ -173,6 +175,8 @@ pub struct LogRow {
     pub gpu_memory_bandwidth: Option<f64>,
     pub cost_usd: Option<f64>,
     pub client_request_id: Option<String>,
+    pub cache_creation_tokens: Option<u64>,
+    pub replica: String,
     pub row_version: u64,
 }
 
@@ -255,6 +259,8 @@ impl LogRow {
             gpu_memory_bandwidth: self.gpu_memory_bandwidth,
             cost_usd: self.cost_usd,
             client_request_id: self.client_request_id,
+            cache_creation_tokens: self.cache_creation_tokens,
+            replica: self.replica,
         };
         Ok((r, self.row_version))
     }

@@ -65,6 +65,11 @@
 //!   modern servers a `bloom_filter` skipping index `idx_client_request_id` makes lookups by
 //!   it cheap (added with `ADD INDEX IF NOT EXISTS`; old servers have no skipping indexes
 //!   and scan).
+//! * v4 — `cache_creation_tokens Nullable(UInt64)` after `client_request_id` (prompt tokens
+//!   written to the engine's prompt cache; `NULL` when unknown, and for rows written before
+//!   v4) and `replica` (`LowCardinality(String)`, plain `String` on old servers) after it:
+//!   the upstream replica that served the request, `host:port`; `''` when none was chosen,
+//!   and for older rows. On the data table and, in a cluster, on the `Distributed` table.
 
 use crate::ClickHouseError;
 
@@ -77,7 +82,7 @@ pub const MIGRATIONS_TABLE: &str = "tokenscope_schema_migrations";
 
 /// The columns of an insert (and of every full-row read), in RowBinary order: the SQLite
 /// column list with `created_at` replaced by `created_at_us`, plus `row_version`.
-pub const INSERT_COLUMNS: [&str; 53] = [
+pub const INSERT_COLUMNS: [&str; 55] = [
     "request_id",
     "trace_id",
     "created_at_us",
@@ -130,6 +135,8 @@ pub const INSERT_COLUMNS: [&str; 53] = [
     "gpu_memory_bandwidth",
     "cost_usd",
     "client_request_id",
+    "cache_creation_tokens",
+    "replica",
     "row_version",
 ];
 
@@ -378,6 +385,11 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "client_request_id Nullable(String): the client's own x-request-id (data, not the key)",
         statements: v3,
     },
+    Migration {
+        version: 4,
+        description: "cache_creation_tokens Nullable(UInt64) and replica (the upstream replica that served the request)",
+        statements: v4,
+    },
 ];
 
 /// The newest schema version this build knows.
@@ -465,6 +477,52 @@ fn v3(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
     out
 }
 
+/// `ALTER TABLE db.<table> [ON CLUSTER c] ADD COLUMN [IF NOT EXISTS] <definition> AFTER
+/// <after>` (idempotent like [`add_cost_column`]).
+fn add_column(
+    d: &Dialect,
+    database: &str,
+    table: &str,
+    on_cluster: Option<&str>,
+    definition: &str,
+    after: &str,
+) -> String {
+    format!(
+        "ALTER TABLE {database}.{table}{} ADD COLUMN {}{definition} AFTER {after}",
+        on_cluster_clause(on_cluster),
+        if d.is_modern() { "IF NOT EXISTS " } else { "" }
+    )
+}
+
+fn v4(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
+    let (data, dist, on) = match (cx.target, cx.cluster) {
+        (Target::Single, _) | (_, None) => (TABLE, None, None),
+        (Target::ClusterNode, Some(_)) => (LOCAL_TABLE, Some(TABLE), None),
+        (Target::OnCluster, Some(c)) => (LOCAL_TABLE, Some(TABLE), Some(c)),
+    };
+    let replica = format!("replica {}", d.lc(false));
+    let mut out = Vec::new();
+    for t in std::iter::once(data).chain(dist) {
+        out.push(add_column(
+            d,
+            cx.database,
+            t,
+            on,
+            "cache_creation_tokens Nullable(UInt64)",
+            "client_request_id",
+        ));
+        out.push(add_column(
+            d,
+            cx.database,
+            t,
+            on,
+            &replica,
+            "cache_creation_tokens",
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -503,7 +561,8 @@ mod tests {
             assert!(!s.contains(absent), "{absent} in {s}");
         }
         // Every insert column is declared by v1 or added by v2 (`cost_usd`, placed after
-        // `gpu_memory_bandwidth`) or v3 (`client_request_id`, after `cost_usd`), in order.
+        // `gpu_memory_bandwidth`), v3 (`client_request_id`, after `cost_usd`) or v4
+        // (`cache_creation_tokens`, `replica`, after `client_request_id`), in order.
         let mut declared: Vec<String> = d
             .columns()
             .iter()
@@ -516,6 +575,8 @@ mod tests {
             .expect("gpu_memory_bandwidth declared");
         declared.insert(at + 1, "cost_usd".to_owned());
         declared.insert(at + 2, "client_request_id".to_owned());
+        declared.insert(at + 3, "cache_creation_tokens".to_owned());
+        declared.insert(at + 4, "replica".to_owned());
         assert_eq!(declared, INSERT_COLUMNS.map(str::to_owned).to_vec());
         assert_eq!(
             (MIGRATIONS[1].statements)(&d, &single(None)),
@@ -537,12 +598,35 @@ mod tests {
                 "ALTER TABLE db.llm_inference_log ADD INDEX IF NOT EXISTS idx_client_request_id client_request_id TYPE bloom_filter(0.01) GRANULARITY 4",
             ]
         );
+        assert_eq!(
+            (MIGRATIONS[3].statements)(&d, &single(None)),
+            [
+                "ALTER TABLE db.llm_inference_log ADD COLUMN cache_creation_tokens Nullable(UInt64) AFTER client_request_id",
+                "ALTER TABLE db.llm_inference_log ADD COLUMN replica String AFTER cache_creation_tokens",
+            ]
+        );
+        assert_eq!(
+            (MIGRATIONS[3].statements)(&modern, &single(None)),
+            [
+                "ALTER TABLE db.llm_inference_log ADD COLUMN IF NOT EXISTS cache_creation_tokens Nullable(UInt64) AFTER client_request_id",
+                "ALTER TABLE db.llm_inference_log ADD COLUMN IF NOT EXISTS replica LowCardinality(String) AFTER cache_creation_tokens",
+            ]
+        );
         let node = MigrationContext {
             database: "db",
             cluster: Some("c2"),
             target: Target::OnCluster,
             ttl_days: None,
         };
+        assert_eq!(
+            (MIGRATIONS[3].statements)(&d, &node),
+            [
+                "ALTER TABLE db.llm_inference_log_local ON CLUSTER c2 ADD COLUMN cache_creation_tokens Nullable(UInt64) AFTER client_request_id",
+                "ALTER TABLE db.llm_inference_log_local ON CLUSTER c2 ADD COLUMN replica String AFTER cache_creation_tokens",
+                "ALTER TABLE db.llm_inference_log ON CLUSTER c2 ADD COLUMN cache_creation_tokens Nullable(UInt64) AFTER client_request_id",
+                "ALTER TABLE db.llm_inference_log ON CLUSTER c2 ADD COLUMN replica String AFTER cache_creation_tokens",
+            ]
+        );
         assert_eq!(
             (MIGRATIONS[2].statements)(&d, &node),
             [

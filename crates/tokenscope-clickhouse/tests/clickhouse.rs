@@ -5,7 +5,9 @@
 use std::time::{Duration, Instant};
 
 use tokenscope_clickhouse::testutil::{clickhouse_or_skip, ClickHouseCluster, ClickHouseServer};
-use tokenscope_clickhouse::{ClickHouseConfig, ClickHouseError, ClickHouseSink, ClickHouseStore};
+use tokenscope_clickhouse::{
+    ClickHouseConfig, ClickHouseError, ClickHouseSink, ClickHouseStore, SCHEMA_VERSION,
+};
 use tokenscope_core::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
 };
@@ -20,7 +22,7 @@ fn server() -> Option<ClickHouseServer> {
 
 fn connect(url: &str) -> ClickHouseStore {
     let store = ClickHouseStore::connect_url(url).expect("connect");
-    assert_eq!(store.migrate().expect("migrate"), 3);
+    assert_eq!(store.migrate().expect("migrate"), SCHEMA_VERSION);
     store
 }
 
@@ -85,6 +87,8 @@ fn full_record(id: &str) -> RequestRecord {
         gpu_memory_bandwidth: Some(0.625),
         cost_usd: Some(0.001_234_5),
         client_request_id: Some("client-id".to_owned()),
+        cache_creation_tokens: Some(64),
+        replica: "10.0.0.7:8000".to_owned(),
     }
 }
 
@@ -138,13 +142,13 @@ fn round_trip_full_and_sparse() {
             .expect("query"),
         "2023-11-14 22:13:20\t1700000000123456\talice\t1234\t1000.5\n"
     );
-    assert_eq!(store.schema_version().expect("version"), 3);
+    assert_eq!(store.schema_version().expect("version"), SCHEMA_VERSION);
     // Migrating again is a no-op.
-    assert_eq!(store.migrate().expect("migrate"), 3);
+    assert_eq!(store.migrate().expect("migrate"), SCHEMA_VERSION);
     assert_eq!(
         ch.query("SELECT count() FROM rt.tokenscope_schema_migrations FINAL")
             .trim(),
-        "3"
+        SCHEMA_VERSION.to_string()
     );
 }
 
@@ -325,12 +329,12 @@ fn concurrent_migrate_on_a_fresh_database() {
         })
         .collect();
     for t in threads {
-        assert_eq!(t.join().expect("join").expect("migrate"), 3);
+        assert_eq!(t.join().expect("join").expect("migrate"), SCHEMA_VERSION);
     }
     assert_eq!(
         ch.query("SELECT count() FROM conc.tokenscope_schema_migrations FINAL")
             .trim(),
-        "3"
+        SCHEMA_VERSION.to_string()
     );
     assert_eq!(
         ch.query("SELECT name FROM system.tables WHERE database = 'conc' ORDER BY name"),
@@ -697,17 +701,39 @@ fn v2_table_gains_client_request_id_and_keeps_its_rows() {
          'chat_completions', 0, 200, 'ok', 'none', 'none', 'none', 'none', 'none', 1.5, 1)",
     );
     let store = ClickHouseStore::connect_url(&ch.url("mig")).expect("connect");
-    assert_eq!(store.migrate().expect("migrate"), 3);
-    // The column sits after cost_usd (the RowBinary layout), old rows read NULL.
+    assert_eq!(store.migrate().expect("migrate"), SCHEMA_VERSION);
+    // The columns sit after cost_usd (the RowBinary layout), old rows read NULL / ''.
     let desc = ch.query("DESCRIBE TABLE mig.llm_inference_log");
     let cols: Vec<&str> = desc
         .lines()
         .filter_map(|l| l.split('\t').next())
-        .filter(|c| ["cost_usd", "client_request_id", "row_version"].contains(c))
+        .filter(|c| {
+            [
+                "cost_usd",
+                "client_request_id",
+                "cache_creation_tokens",
+                "replica",
+                "row_version",
+            ]
+            .contains(c)
+        })
         .collect();
-    assert_eq!(cols, ["cost_usd", "client_request_id", "row_version"]);
+    assert_eq!(
+        cols,
+        [
+            "cost_usd",
+            "client_request_id",
+            "cache_creation_tokens",
+            "replica",
+            "row_version"
+        ]
+    );
     let old = store.get("v2-row").expect("get").expect("old row");
     assert_eq!(old.client_request_id, None);
+    assert_eq!(
+        (old.cache_creation_tokens, old.replica.as_str()),
+        (None, "")
+    );
     // Two requests with the same client id are two rows.
     let mut a = sparse_record("key-a");
     a.client_request_id = Some("shared".to_owned());
@@ -723,5 +749,5 @@ fn v2_table_gains_client_request_id_and_keeps_its_rows() {
         "2"
     );
     // Migrating again is a no-op.
-    assert_eq!(store.migrate().expect("migrate again"), 3);
+    assert_eq!(store.migrate().expect("migrate again"), SCHEMA_VERSION);
 }

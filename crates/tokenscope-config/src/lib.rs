@@ -325,7 +325,15 @@ pub struct UpstreamConfig {
     /// Name used in records and logs.
     pub name: String,
     /// Base URL, e.g. `http://127.0.0.1:8080` (a path prefix such as `/v1` is not added).
+    /// Exactly one of `url` and `urls` is set.
+    #[serde(default)]
     pub url: String,
+    /// Several replicas of the same engine, e.g. `["http://a:8080", "http://b:8080"]`, instead
+    /// of `url`: each request goes to the healthy replica with the fewest outstanding
+    /// requests; a replica that refuses connections or times out is ejected for a while
+    /// (`eject_ms`) and probed back (docs/operations.md, "Upstream replicas").
+    #[serde(default)]
+    pub urls: Vec<String>,
     /// Model patterns served here: exact names, or `prefix*`, or `*`.
     #[serde(default)]
     pub models: Vec<String>,
@@ -360,10 +368,44 @@ pub struct UpstreamConfig {
     /// Extra headers sent here: a literal value, `{ env = "VAR" }` or `{ file = "PATH" }`.
     #[serde(default)]
     pub headers: std::collections::BTreeMap<String, credentials::SecretSource>,
+    /// How long a replica is left out after it refused a connection (or the connect or the
+    /// response head timed out), ms; each failed probe doubles it, up to `eject_max_ms`.
+    #[serde(default = "default_eject_ms")]
+    pub eject_ms: u64,
+    /// The longest ejection, ms.
+    #[serde(default = "default_eject_max_ms")]
+    pub eject_max_ms: u64,
 }
 
 fn default_scrape_interval_ms() -> u64 {
     2000
+}
+
+fn default_eject_ms() -> u64 {
+    10_000
+}
+
+fn default_eject_max_ms() -> u64 {
+    120_000
+}
+
+/// The name of a replica in records, metrics and logs: its URL's `host:port` (the scheme's
+/// default port when none is given; never userinfo), or the URL's text with its userinfo
+/// removed when it does not parse.
+pub fn replica_name(url: &str) -> String {
+    match url.parse::<http::Uri>() {
+        Ok(uri) => match uri.host() {
+            Some(host) => {
+                let port = uri.port_u16().unwrap_or(match uri.scheme_str() {
+                    Some("https") => 443,
+                    _ => 80,
+                });
+                format!("{host}:{port}")
+            }
+            None => redact_url(url),
+        },
+        Err(_) => redact_url(url),
+    }
 }
 
 /// `[gpu]`: the resource layer.
@@ -389,6 +431,67 @@ impl Default for GpuSection {
 }
 
 impl UpstreamConfig {
+    /// The URLs of the upstream's replicas: `urls`, or `url` alone.
+    pub fn replica_urls(&self) -> &[String] {
+        if self.urls.is_empty() {
+            std::slice::from_ref(&self.url)
+        } else {
+            &self.urls
+        }
+    }
+
+    /// The first ejection of a replica.
+    pub fn eject(&self) -> Duration {
+        Duration::from_millis(self.eject_ms)
+    }
+
+    /// The longest ejection of a replica (at least [`Self::eject`]).
+    pub fn eject_max(&self) -> Duration {
+        Duration::from_millis(self.eject_max_ms.max(self.eject_ms))
+    }
+
+    /// Checks `url` / `urls`: exactly one of them, every URL an `http://` URL with a host,
+    /// no replica twice, and no `metrics_url` beside several replicas.
+    fn validate(&self) -> Result<(), ConfigError> {
+        let name = &self.name;
+        let bad = |m: String| Err(ConfigError::Invalid(format!("upstream {name:?}: {m}")));
+        match (self.url.trim().is_empty(), self.urls.is_empty()) {
+            (true, true) => return bad("set url (one engine) or urls (its replicas)".into()),
+            (false, false) => return bad("set either url or urls, not both".into()),
+            _ => {}
+        }
+        let mut seen = std::collections::HashSet::new();
+        for url in self.replica_urls() {
+            let uri: http::Uri = match url.parse() {
+                Ok(u) => u,
+                Err(e) => return bad(format!("url {}: {e}", redact_url(url))),
+            };
+            if uri.scheme_str() != Some("http") {
+                return bad(format!(
+                    "only http:// upstreams are supported (got {})",
+                    redact_url(url)
+                ));
+            }
+            if uri.host().is_none_or(str::is_empty) {
+                return bad(format!("url {} has no host", redact_url(url)));
+            }
+            if !seen.insert(replica_name(url)) {
+                return bad(format!("replica {} is listed twice", replica_name(url)));
+            }
+        }
+        if self.urls.len() > 1 && self.metrics_url.is_some() {
+            return bad(
+                "metrics_url names one endpoint: with several urls each replica is scraped \
+                 at {replica}/metrics; remove metrics_url"
+                    .into(),
+            );
+        }
+        if self.eject_ms == 0 {
+            return bad("eject_ms must be > 0".into());
+        }
+        Ok(())
+    }
+
     /// Whether this upstream serves `model`.
     pub fn serves(&self, model: &str) -> bool {
         self.models.iter().any(|p| match p.strip_suffix('*') {
@@ -648,6 +751,7 @@ impl GatewayConfig {
         self.upstreams = vec![UpstreamConfig {
             name: "default".into(),
             url: url.trim_end_matches('/').to_owned(),
+            urls: Vec::new(),
             models: vec!["*".into()],
             default: true,
             kind: EngineKind::Auto,
@@ -658,6 +762,8 @@ impl GatewayConfig {
             api_key_file: None,
             client_authorization: None,
             headers: std::collections::BTreeMap::new(),
+            eject_ms: default_eject_ms(),
+            eject_max_ms: default_eject_max_ms(),
         }];
     }
 
@@ -700,17 +806,7 @@ impl GatewayConfig {
             ));
         }
         for u in &self.upstreams {
-            let uri: http::Uri = u
-                .url
-                .parse()
-                .map_err(|e| ConfigError::Invalid(format!("upstream {:?} url: {e}", u.name)))?;
-            if uri.scheme_str() != Some("http") {
-                return Err(ConfigError::Invalid(format!(
-                    "upstream {:?}: only http:// upstreams are supported (got {})",
-                    u.name,
-                    redact_url(&u.url)
-                )));
-            }
+            u.validate()?;
             credentials::validate(u).map_err(ConfigError::Invalid)?;
         }
         self.tracing.validate()?;
@@ -935,6 +1031,66 @@ tenant = "search"
         let cfg = GatewayConfig::load_with_env(None, env).expect("valid");
         assert_eq!(cfg.upstreams[0].url, "http://127.0.0.1:1");
         assert!(cfg.upstreams[0].serves("anything"));
+    }
+
+    #[test]
+    fn upstream_replicas() {
+        let load = |toml: &str| {
+            let mut f = tempfile::NamedTempFile::new().expect("tmp");
+            writeln!(f, "{toml}").expect("write");
+            GatewayConfig::load_with_env(Some(f.path()), Vec::new())
+        };
+        let cfg = load(
+            "[[upstreams]]\nname = \"pool\"\nurls = [\"http://a:8080\", \"http://u:p@b\"]\n\
+             eject_ms = 500\neject_max_ms = 100",
+        )
+        .expect("valid");
+        let u = &cfg.upstreams[0];
+        assert_eq!(u.replica_urls(), ["http://a:8080", "http://u:p@b"]);
+        assert_eq!(u.eject(), Duration::from_millis(500));
+        assert_eq!(
+            u.eject_max(),
+            Duration::from_millis(500),
+            "never below eject_ms"
+        );
+        let one = load("[[upstreams]]\nname = \"one\"\nurl = \"http://a:8080\"").expect("valid");
+        assert_eq!(one.upstreams[0].replica_urls(), ["http://a:8080"]);
+        assert_eq!(one.upstreams[0].eject(), Duration::from_secs(10));
+        assert_eq!(one.upstreams[0].eject_max(), Duration::from_secs(120));
+        for (bad, says) in [
+            ("name = \"x\"", "set url (one engine) or urls"),
+            ("name = \"x\"\nurls = []", "set url (one engine) or urls"),
+            (
+                "name = \"x\"\nurl = \"http://a:1\"\nurls = [\"http://b:1\"]",
+                "not both",
+            ),
+            (
+                "name = \"x\"\nurls = [\"http://a:1\", \"http://a:1/v1\"]",
+                "replica a:1 is listed twice",
+            ),
+            (
+                "name = \"x\"\nurls = [\"http://a\", \"http://a:80\"]",
+                "replica a:80 is listed twice",
+            ),
+            ("name = \"x\"\nurls = [\"https://k:s@a:1\"]", "only http://"),
+            (
+                "name = \"x\"\nurls = [\"http://a:1\", \"http://b:1\"]\nmetrics_url = \"http://m/metrics\"",
+                "metrics_url",
+            ),
+            ("name = \"x\"\nurls = [\"http://a:1\"]\neject_ms = 0", "eject_ms"),
+        ] {
+            let err = load(&format!("[[upstreams]]\n{bad}"))
+                .expect_err(bad)
+                .to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+            assert!(!err.contains("k:s@"), "credentials echoed: {err}");
+        }
+        // One replica may keep its own metrics URL.
+        load("[[upstreams]]\nname = \"x\"\nurls = [\"http://a:1\"]\nmetrics_url = \"http://m/metrics\"")
+            .expect("one replica, one metrics URL");
+        assert_eq!(replica_name("http://u:p@engine:8000/v1"), "engine:8000");
+        assert_eq!(replica_name("http://engine"), "engine:80");
+        assert_eq!(replica_name("http://[::1]:9"), "[::1]:9");
     }
 
     fn vars(pairs: &[(&str, &str)]) -> Vec<(String, String)> {

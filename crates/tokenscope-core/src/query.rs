@@ -111,6 +111,9 @@ pub enum Dimension {
     /// `upstream`.
     #[cfg_attr(feature = "clap", value(name = "upstream"))]
     Upstream,
+    /// `replica`: the upstream replica (`host:port`) that served the request.
+    #[cfg_attr(feature = "clap", value(name = "replica"))]
+    Replica,
     /// `stream` (`true` / `false`).
     #[cfg_attr(feature = "clap", value(name = "stream"))]
     Stream,
@@ -148,7 +151,7 @@ pub enum Dimension {
 
 impl Dimension {
     /// Every dimension.
-    pub const ALL: [Dimension; 13] = [
+    pub const ALL: [Dimension; 14] = [
         Dimension::Model,
         Dimension::InputBucket,
         Dimension::User,
@@ -158,6 +161,7 @@ impl Dimension {
         Dimension::Status,
         Dimension::Endpoint,
         Dimension::Upstream,
+        Dimension::Replica,
         Dimension::Stream,
         Dimension::Engine,
         Dimension::KvUsageBand,
@@ -177,6 +181,7 @@ impl Dimension {
             Dimension::Status => "status",
             Dimension::Endpoint => "endpoint",
             Dimension::Upstream => "upstream",
+            Dimension::Replica => "replica",
             Dimension::Stream => "stream",
             Dimension::Engine => "engine",
             Dimension::KvUsageBand => "kv_band",
@@ -196,6 +201,7 @@ impl Dimension {
             Dimension::Status => "outcome",
             Dimension::Endpoint => "endpoint",
             Dimension::Upstream => "upstream",
+            Dimension::Replica => "replica",
             Dimension::Stream => "stream",
             Dimension::Engine => "engine",
             Dimension::KvUsageBand => "engine_kv_usage",

@@ -262,6 +262,11 @@ pub struct RequestRecord {
     pub model_served: Option<String>,
     /// Name of the upstream the request was routed to.
     pub upstream: String,
+    /// The replica of the upstream that served the request (the last one tried when it
+    /// failed): its URL's `host:port`, never userinfo. Empty when no replica was chosen (no
+    /// upstream, or a failure before routing).
+    #[serde(default)]
+    pub replica: String,
     /// End user (header `x-tokenscope-user`, else the body's `user` field).
     pub user_id: Option<String>,
     /// Tenant (header `x-tokenscope-tenant`, else the API-key map).
@@ -292,6 +297,10 @@ pub struct RequestRecord {
     pub output_tokens: Option<u64>,
     /// Prompt tokens served from the engine's prefix/KV cache.
     pub cached_tokens: Option<u64>,
+    /// Prompt tokens written to the engine's prompt cache (Anthropic
+    /// `cache_creation_input_tokens`).
+    #[serde(default)]
+    pub cache_creation_tokens: Option<u64>,
     /// Reasoning tokens inside `output_tokens`.
     pub reasoning_tokens: Option<u64>,
     /// Where `input_tokens` came from.

@@ -358,6 +358,9 @@ pub struct EngineTarget {
     pub metrics_url: Option<String>,
     /// The configured kind.
     pub kind: EngineKind,
+    /// One replica of an upstream with several (the `replica` label, its `host:port`); `None`
+    /// gives the series no `replica` label.
+    pub replica: Option<String>,
 }
 
 impl EngineTarget {
@@ -368,6 +371,7 @@ impl EngineTarget {
             base_url: base_url.into(),
             metrics_url: None,
             kind: EngineKind::Auto,
+            replica: None,
         }
     }
 
@@ -457,6 +461,7 @@ pub(crate) struct EngineValues {
 #[derive(Debug)]
 struct EngineShared {
     name: String,
+    replica: Option<String>,
     url: Option<String>,
     cell: StateCell<EngineValues>,
 }
@@ -476,7 +481,7 @@ impl EngineStateHandle {
     /// and starts no task.
     pub fn spawn(target: EngineTarget, config: ScrapeConfig) -> Result<Self, TargetError> {
         let Some(url) = target.scrape_url() else {
-            let handle = Self::idle(target.name, None);
+            let handle = Self::idle(target.name, target.replica, None);
             handle
                 .shared
                 .cell
@@ -485,17 +490,18 @@ impl EngineStateHandle {
         };
         let uri = parse_http_url(&url)?;
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| TargetError::NoRuntime)?;
-        let handle = Self::idle(target.name, Some(url));
+        let handle = Self::idle(target.name, target.replica, Some(url));
         let weak = Arc::downgrade(&handle.shared);
         let stop = handle.shared.cell.stop.clone();
         runtime.spawn(run(weak, stop, uri, target.kind, config));
         Ok(handle)
     }
 
-    fn idle(name: String, url: Option<String>) -> Self {
+    fn idle(name: String, replica: Option<String>, url: Option<String>) -> Self {
         Self {
             shared: Arc::new(EngineShared {
                 name,
+                replica,
                 url,
                 cell: StateCell::new(),
             }),
@@ -505,6 +511,11 @@ impl EngineStateHandle {
     /// The upstream's name.
     pub fn name(&self) -> &str {
         &self.shared.name
+    }
+
+    /// The replica's `host:port`, when the target named one.
+    pub fn replica(&self) -> Option<&str> {
+        self.shared.replica.as_deref()
     }
 
     /// The URL scraped (`None` when nothing is scraped).

@@ -733,3 +733,42 @@ fn nvml_absent_or_present_is_consistent() {
         }
     }
 }
+
+/// Two replicas of one upstream: one series per replica (`replica` label), each with its own
+/// engine's values; a target without a replica keeps the `upstream` label alone.
+#[tokio::test]
+async fn replicas_of_one_upstream_are_series_of_their_own() {
+    let (a, _ea) = serve(Some(VLLM), Duration::ZERO).await;
+    let (b, _eb) = serve(Some(LLAMACPP), Duration::ZERO).await;
+    let replica = |addr: SocketAddr| {
+        let mut t = EngineTarget::new("pool", format!("http://{addr}"));
+        t.replica = Some(addr.to_string());
+        EngineStateHandle::spawn(t, fast()).expect("scraper starts")
+    };
+    let (ha, hb) = (replica(a), replica(b));
+    let single = engine("solo", a, EngineKind::Auto);
+    let sa = eventually("replica a", || ha.snapshot()).await;
+    let sb = eventually("replica b", || hb.snapshot()).await;
+    eventually("solo", || single.snapshot()).await;
+    assert_eq!(ha.replica(), Some(a.to_string().as_str()));
+    assert_ne!(sa.kind, sb.kind);
+    let (_, parsed) = encoded(&[ha, hb, single], None);
+    let running: Vec<(Option<String>, Option<String>, f64)> = parsed
+        .named("llm_engine_requests_running")
+        .map(|s| {
+            (
+                s.label("upstream").map(str::to_owned),
+                s.label("replica").map(str::to_owned),
+                s.value,
+            )
+        })
+        .collect();
+    assert_eq!(
+        running,
+        [
+            (Some("pool".to_owned()), Some(a.to_string()), sa.running),
+            (Some("pool".to_owned()), Some(b.to_string()), sb.running),
+            (Some("solo".to_owned()), None, sa.running),
+        ]
+    );
+}

@@ -78,7 +78,8 @@ pub(crate) struct Fanout {
     pub out: Arc<dyn RecordOut>,
     /// The store pipeline's handle for late engine updates.
     pub recorder: Recorder,
-    /// Each upstream's name and base URL (the spans' `server.address` / `server.port`).
+    /// Each upstream's name and first replica's base URL (the spans' `server.address` /
+    /// `server.port` when a record names no replica).
     pub servers: Vec<(String, Uri)>,
     /// Counts tokens of entries and of cancelled streams' output.
     pub tokenizers: tokenscope_tokenize::Tokenizers,
@@ -91,6 +92,14 @@ pub(crate) struct Fanout {
     /// Set when the shutdown grace period is over: requests cut from then on are recorded as
     /// `shutdown`, not `cancelled`.
     shutting_down: AtomicBool,
+}
+
+/// `host:port` (`[v6]:port`) → the spans' `server.address` and `server.port`.
+fn replica_address(replica: &str) -> Option<(&str, u16)> {
+    let (host, port) = replica.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    (!host.is_empty()).then_some(())?;
+    Some((host, port.parse().ok()?))
 }
 
 impl Fanout {
@@ -258,11 +267,13 @@ impl Fanout {
             .metrics
             .observe(&rec, kept.map(|_| rec.trace_id.as_str()));
         if let (Some(t), Some(reason)) = (self.tracing.as_ref(), kept) {
-            let server = self
-                .servers
-                .iter()
-                .find(|(name, _)| *name == rec.upstream)
-                .and_then(|(_, base)| Some((base.host()?, base.port_u16().unwrap_or(80))));
+            // The replica that served the request (`host:port`), else the upstream's first.
+            let server = replica_address(&rec.replica).or_else(|| {
+                self.servers
+                    .iter()
+                    .find(|(name, _)| *name == rec.upstream)
+                    .and_then(|(_, base)| Some((base.host()?, base.port_u16().unwrap_or(80))))
+            });
             let spans = tokenscope_trace::build_spans(
                 &rec,
                 &tokenscope_trace::SpanInput {
@@ -329,5 +340,19 @@ impl Fanout {
 impl RecordOut for Recorder {
     fn submit(&self, rec: RequestRecord) {
         self.record(rec);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replica_address;
+
+    #[test]
+    fn replica_addresses_for_spans() {
+        assert_eq!(replica_address("10.0.0.7:8000"), Some(("10.0.0.7", 8000)));
+        assert_eq!(replica_address("[::1]:9"), Some(("::1", 9)));
+        assert_eq!(replica_address(""), None);
+        assert_eq!(replica_address("host"), None);
+        assert_eq!(replica_address(":80"), None);
     }
 }

@@ -15,7 +15,9 @@
 //!   exchange told (`ResponseFacts`) and the pure derivation of the record's fields from it.
 //! * `finished` — `Fanout`: everything a finished record feeds (cost, budgets, tail sampling,
 //!   metrics, spans, the recent ring, alerting, the store pipeline).
-//! * `shared` — `Shared`, the state every handler reads, and the upstreams it routes to.
+//! * `shared` — `Shared`, the state every handler reads, and the upstreams it routes to;
+//!   `replicas` — an upstream's replicas: least-outstanding choice, passive health, the retry
+//!   of a request that never reached one.
 //! * `admin` — `/metrics` and the admin API on a separate listener; [`auth`] — who may call
 //!   which admin route; [`dashboard`]; [`alerting`]; [`cost`].
 //! * [`models`] — the models the upstreams serve, reserved as metric labels, and the union of
@@ -48,6 +50,7 @@ pub mod models;
 mod plan;
 mod proxy;
 mod recording;
+mod replicas;
 mod routing;
 mod running;
 mod server;

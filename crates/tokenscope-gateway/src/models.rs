@@ -232,17 +232,22 @@ fn merge<'a>(lists: impl IntoIterator<Item = Vec<&'a RawValue>>) -> Vec<u8> {
 /// One upstream's answer to the client's list request (2xx, at most [`MAX_BODY_BYTES`],
 /// within [`FETCH_TIMEOUT`]).
 async fn fetch_list(upstream: &Upstream, parts: &Parts) -> Result<Bytes, String> {
-    let req = crate::forward::listing(parts, &upstream.base, &upstream.creds)
-        .map_err(|f| format!("{f:?}"))?;
     let exchange = async {
-        let (resp, conn) = crate::upconn::send(&upstream.pool, req)
-            .await
-            .map_err(|e| e.to_string())?;
+        let sent = crate::replicas::send(
+            &upstream.name,
+            &upstream.replicas,
+            FETCH_TIMEOUT,
+            |r| crate::forward::listing(parts, &r.base, &upstream.creds),
+            |_| {},
+        )
+        .await
+        .map_err(|f| f.answer().2.into_owned())?;
+        let crate::replicas::Sent { resp, conn, load } = sent;
         if !resp.status().is_success() {
             return Err(format!("HTTP {}", resp.status()));
         }
         let body = crate::upconn::PooledBody::new(resp.into_body(), conn);
-        Limited::new(body, MAX_BODY_BYTES)
+        Limited::new(crate::replicas::Loaded::new(body, load), MAX_BODY_BYTES)
             .collect()
             .await
             .map(|c| c.to_bytes())

@@ -8,10 +8,12 @@
 //! 2. body read with a size limit and a deadline (413 / 408, [`crate::failure`]);
 //! 3. the request plan: one JSON parse for model / stream / usage options / user, prompt hash
 //!    and entry token estimate ([`crate::plan`]);
-//! 4. routing by model; the forwarded body (`include_usage` injected for streams that did not
-//!    ask for it, `include_metrics` for upstreams that report them) serialised at most once;
-//!    the entry tokenizer count started beside forwarding;
-//! 5. the upstream request ([`crate::forward`]) on a connection of the upstream's
+//! 4. routing by model, then to a replica of the upstream ([`crate::replicas`]: least
+//!    outstanding requests among the healthy ones; a request whose connection could not be
+//!    opened goes to the next replica); the forwarded body (`include_usage` injected for
+//!    streams that did not ask for it, `include_metrics` for upstreams that report them)
+//!    serialised at most once; the entry tokenizer count started beside forwarding;
+//! 5. the upstream request ([`crate::forward`]) on a connection of the replica's
 //!    [`crate::upconn::UpPool`] that this request's task drives, with a header timeout (502 /
 //!    504 with a JSON error body: every failure goes through [`crate::failure::fail`]);
 //! 6. the response body is wrapped in [`MeteredBody`], which drives that connection, forwards
@@ -25,6 +27,7 @@ use crate::body::{MeteredBody, Mode};
 use crate::failure::{error_response, fail, Failure};
 use crate::plan::RequestPlan;
 use crate::recording::RecordGuard;
+use crate::replicas::{Loaded, Replica, Sent};
 use crate::shared::{Shared, Upstream};
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -142,39 +145,31 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     };
     note_upstream(&mut guard, upstream, shared.gpu.as_ref());
     let strip_usage = forward.strip_usage;
-    let up = match crate::forward::measured(
-        &parts,
-        &upstream.base,
-        &upstream.creds,
-        forward.body,
-        &traceparent,
-        ids.shown(),
-    ) {
-        Ok(r) => r,
-        Err(failure) => return fail(guard, failure, &ids),
-    };
-
     if let Some(f) = guard.facts() {
         f.upstream_sent(Instant::now());
     }
-    let sent = tokio::time::timeout(
+    let body = forward.body;
+    let sent = crate::replicas::send(
+        &upstream.name,
+        &upstream.replicas,
         cfg.upstream_timeout(),
-        crate::upconn::send(&upstream.pool, up),
+        |r| {
+            crate::forward::measured(
+                &parts,
+                &r.base,
+                &upstream.creds,
+                body.clone(),
+                &traceparent,
+                ids.shown(),
+            )
+        },
+        |r| note_replica(&mut guard, r),
     )
     .await;
-    let (resp, upconn) = match sent {
-        Err(_) => return fail(guard, Failure::UpstreamTimeout, &ids),
-        Ok(Err(e)) => {
-            let failure = Failure::Upstream {
-                code: e.code(),
-                message: format!("upstream {}: {e}", upstream.name),
-            };
-            return fail(guard, failure, &ids);
-        }
-        Ok(Ok(r)) => r,
-    };
-
-    respond(cfg, guard, resp, upconn, strip_usage, &ids)
+    match sent {
+        Ok(sent) => respond(cfg, guard, sent, strip_usage, &ids),
+        Err(failure) => fail(guard, failure, &ids),
+    }
 }
 
 /// Step 1: the record of a request that arrived at `arrival`: its ids, the attribution from
@@ -230,8 +225,8 @@ fn start_entry_count(
     }
 }
 
-/// The chosen upstream on the record, with the engine's and the GPUs' state at arrival
-/// (lock-free snapshots of the last scrape).
+/// The chosen upstream on the record, with the GPUs' state at arrival (a lock-free snapshot
+/// of the last scrape).
 fn note_upstream(
     guard: &mut RecordGuard,
     upstream: &Upstream,
@@ -242,15 +237,24 @@ fn note_upstream(
     };
     rec.upstream.clone_from(&upstream.name);
     facts.set_kind(upstream.cfg.kind);
-    if let Some(snap) = upstream.state.as_ref().and_then(|s| s.snapshot()) {
-        rec.engine_running = Some(snap.running);
-        rec.engine_waiting = Some(snap.waiting);
-        rec.engine_kv_usage = snap.kv_usage;
-    }
     if let Some(g) = gpu.and_then(|g| g.snapshot()) {
         rec.gpu_utilization = g.mean_utilization;
         rec.gpu_memory_bandwidth = g.mean_memory_bandwidth;
     }
+}
+
+/// The replica a request is sent to on the record, with its engine's state (a lock-free
+/// snapshot of its last scrape; unknown fields cleared): told again for each replica tried,
+/// so the record names the one that served the request, or the last one that failed.
+fn note_replica(guard: &mut RecordGuard, replica: &Replica) {
+    let Some((rec, _)) = guard.parts() else {
+        return;
+    };
+    rec.replica.clone_from(&replica.name);
+    let snap = replica.state.as_ref().and_then(|s| s.snapshot());
+    rec.engine_running = snap.map(|s| s.running);
+    rec.engine_waiting = snap.map(|s| s.waiting);
+    rec.engine_kv_usage = snap.and_then(|s| s.kv_usage);
 }
 
 /// Step 6: the client's response, its body wrapped in [`MeteredBody`] (which now owns the
@@ -258,11 +262,15 @@ fn note_upstream(
 fn respond(
     cfg: &crate::config::GatewayConfig,
     mut guard: RecordGuard,
-    resp: http::Response<hyper::body::Incoming>,
-    upconn: crate::upconn::UpConn,
+    sent: Sent,
     strip_usage: bool,
     ids: &RequestIds,
 ) -> Response {
+    let Sent {
+        resp,
+        conn: upconn,
+        load,
+    } = sent;
     let (rparts, rbody) = resp.into_parts();
     if let Some(f) = guard.facts() {
         f.headers(Instant::now(), rparts.status.as_u16(), &rparts.headers);
@@ -286,7 +294,8 @@ fn respond(
         }
     };
     let metered = MeteredBody::new(rbody, Some(upconn), mode, guard, cfg.stream_idle_timeout());
-    let mut out = crate::forward::response(&rparts, Body::new(metered), is_sse && strip_usage);
+    let body = Body::new(Loaded::new(metered, load));
+    let mut out = crate::forward::response(&rparts, body, is_sse && strip_usage);
     ids.set_on(out.headers_mut());
     out
 }
@@ -332,21 +341,38 @@ pub(crate) async fn passthrough(State(shared): State<Arc<Shared>>, req: Request)
     let Some(upstream) = shared.route(model.as_deref()) else {
         return Failure::NoUpstream.response();
     };
-    let up =
-        match crate::forward::passthrough_streamed(parts, &upstream.base, &upstream.creds, body) {
-            Ok(r) => r,
-            Err(failure) => return failure.response(),
-        };
+    // A streamed body cannot be sent twice: one replica, no retry.
+    let Some(attempt) = upstream.replicas.choose(&[], Instant::now()) else {
+        return Failure::NoUpstream.response();
+    };
+    let up = match crate::forward::passthrough_streamed(
+        parts,
+        &attempt.replica().base,
+        &upstream.creds,
+        body,
+    ) {
+        Ok(r) => r,
+        Err(failure) => return failure.response(),
+    };
     match tokio::time::timeout(shared.cfg.upstream_timeout(), shared.client.request(up)).await {
-        Err(_) => Failure::UpstreamTimeout.response(),
-        Ok(Err(e)) => Failure::Upstream {
-            code: "upstream_unreachable",
-            message: format!("upstream {}: {e}", upstream.name),
+        Err(_) => {
+            attempt.failed(Instant::now());
+            Failure::UpstreamTimeout.response()
         }
-        .response(),
+        Ok(Err(e)) => {
+            if e.is_connect() {
+                attempt.failed(Instant::now());
+            }
+            Failure::Upstream {
+                code: "upstream_unreachable",
+                message: format!("upstream {}: {e}", upstream.name),
+            }
+            .response()
+        }
         Ok(Ok(resp)) => {
+            let load = attempt.succeeded();
             let (rparts, rbody) = resp.into_parts();
-            crate::forward::response(&rparts, Body::new(rbody), false)
+            crate::forward::response(&rparts, Body::new(Loaded::new(rbody, load)), false)
         }
     }
 }
@@ -361,27 +387,20 @@ async fn passthrough_pooled(
     parts: http::request::Parts,
     bytes: Bytes,
 ) -> Response {
-    let up =
-        match crate::forward::passthrough_pooled(&parts, &upstream.base, &upstream.creds, bytes) {
-            Ok(r) => r,
-            Err(failure) => return failure.response(),
-        };
-    let sent = tokio::time::timeout(
+    let sent = crate::replicas::send(
+        &upstream.name,
+        &upstream.replicas,
         shared.cfg.upstream_timeout(),
-        crate::upconn::send(&upstream.pool, up),
+        |r| crate::forward::passthrough_pooled(&parts, &r.base, &upstream.creds, bytes.clone()),
+        |_| {},
     )
     .await;
     match sent {
-        Err(_) => Failure::UpstreamTimeout.response(),
-        Ok(Err(e)) => Failure::Upstream {
-            code: e.code(),
-            message: format!("upstream {}: {e}", upstream.name),
-        }
-        .response(),
-        Ok(Ok((resp, conn))) => {
+        Err(failure) => failure.response(),
+        Ok(Sent { resp, conn, load }) => {
             let (rparts, rbody) = resp.into_parts();
-            let body = Body::new(crate::upconn::PooledBody::new(rbody, conn));
-            crate::forward::response(&rparts, body, false)
+            let body = crate::upconn::PooledBody::new(rbody, conn);
+            crate::forward::response(&rparts, Body::new(Loaded::new(body, load)), false)
         }
     }
 }

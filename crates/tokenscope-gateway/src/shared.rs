@@ -6,29 +6,26 @@
 //!   last scrape.
 //! * Routing is by model: the first upstream whose patterns match, else the default, else the
 //!   first one; measured requests by their body's `model`, pass-through requests by the model
-//!   [`crate::routing`] finds in them.
+//!   [`crate::routing`] finds in them; then to one of its replicas (`crate::replicas`).
 //! * What happens after a record is final belongs to [`Fanout`]; start-up and shutdown state
 //!   (listeners, the pipeline handle, the background runtime) stays in [`crate::Gateway`].
 
 use crate::config::{self, GatewayConfig, UpstreamConfig};
 use crate::finished::Fanout;
-use http::Uri;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use std::collections::HashMap;
 use std::sync::Arc;
-use tokenscope_engine_state::{EngineStateHandle, GpuStateHandle};
+use tokenscope_engine_state::GpuStateHandle;
 use tokenscope_telemetry::Metrics;
 
-/// One configured engine.
+/// One configured engine: one replica per URL (`url`, or each of `urls`).
 pub(crate) struct Upstream {
     pub name: String,
-    pub base: Uri,
     pub cfg: UpstreamConfig,
-    /// The engine's state, scraped from its metrics endpoint (lock-free reads).
-    pub state: Option<EngineStateHandle>,
-    /// Connections of measured requests (driven by the request's task, see `upconn`).
-    pub pool: Arc<crate::upconn::UpPool>,
+    /// Its replicas, each with its connections (driven by the request's task, see `upconn`),
+    /// load, health and engine state (`crate::replicas`).
+    pub replicas: crate::replicas::Replicas,
     /// Its key and extra headers, resolved at start-up (`tokenscope_config::credentials`).
     pub creds: config::UpstreamCredentials,
 }

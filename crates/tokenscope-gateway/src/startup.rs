@@ -13,8 +13,11 @@
 
 use crate::config::{self, ConfigError, DurationSetting, GatewayConfig};
 use crate::finished::{Fanout, Tracing};
+use crate::replicas::{EjectPolicy, Replica, Replicas};
 use crate::shared::{Shared, Upstream};
-use crate::{alerting, auth, cost, models, server, upconn, Gateway, GatewayError, StoreTarget};
+use crate::{
+    alerting, auth, cost, models, redact_url, server, upconn, Gateway, GatewayError, StoreTarget,
+};
 use http::Uri;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -35,6 +38,16 @@ use tokenscope_telemetry::{Metrics, MetricsConfig, UserLabelMode};
 const POOL_MAX_IDLE_PER_HOST: usize = 256;
 /// Idle connections of the pass-through client (`/v1/models`, `/health`, …) per engine.
 const PASSTHROUGH_MAX_IDLE_PER_HOST: usize = 32;
+
+/// The connection pool of one replica at `base` (the one place a pool is made).
+fn replica_pool(cfg: &GatewayConfig, base: &Uri) -> Arc<upconn::UpPool> {
+    upconn::UpPool::new(
+        base,
+        cfg.connect_timeout(),
+        POOL_MAX_IDLE_PER_HOST,
+        cfg.upstream_idle_timeout(),
+    )
+}
 
 /// Feeds trace exporter events into the Prometheus metrics.
 struct TraceMetricsObserver(Arc<Metrics>);
@@ -295,49 +308,74 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
                 },
             },
         });
-        // Engine and GPU state: background scrapers, read lock-free at request arrival.
+        // Engine and GPU state: background scrapers (one per replica), read lock-free at
+        // request arrival.
+        let replica_metrics = tokenscope_telemetry::replicas::ReplicaMetricsFamilies::register(
+            metrics.registry_mut(),
+        );
         let mut states = Vec::new();
         let mut upstreams = Vec::new();
         for u in &cfg.upstreams {
-            let base: Uri = u
-                .url
-                .parse()
-                .map_err(|e| ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)))?;
-            let state = if u.scrape_interval_ms > 0 {
-                let target = EngineTarget {
-                    name: u.name.clone(),
-                    base_url: u.url.clone(),
-                    metrics_url: u.metrics_url.clone(),
-                    kind: u.kind,
-                };
-                let scrape = ScrapeConfig {
-                    interval: Duration::from_millis(u.scrape_interval_ms),
-                    ..ScrapeConfig::default()
-                };
-                match EngineStateHandle::spawn(target, scrape) {
-                    Ok(h) => Some(h),
-                    Err(e) => {
-                        return Err(
-                            ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)).into()
-                        )
-                    }
-                }
-            } else {
-                None
+            let several = u.replica_urls().len() > 1;
+            let policy = EjectPolicy {
+                eject: u.eject(),
+                max: u.eject_max(),
             };
-            states.extend(state.clone());
             let creds = resolve_credentials(u)?;
+            let mut replicas = Vec::new();
+            for url in u.replica_urls() {
+                let base: Uri = url.parse().map_err(|e| {
+                    ConfigError::Invalid(format!("upstream {:?}: {}: {e}", u.name, redact_url(url)))
+                })?;
+                let name = config::replica_name(url);
+                let state = if u.scrape_interval_ms > 0 {
+                    let target = EngineTarget {
+                        name: u.name.clone(),
+                        base_url: url.clone(),
+                        metrics_url: u.metrics_url.clone(),
+                        kind: u.kind,
+                        replica: several.then(|| name.clone()),
+                    };
+                    let scrape = ScrapeConfig {
+                        interval: Duration::from_millis(u.scrape_interval_ms),
+                        ..ScrapeConfig::default()
+                    };
+                    match EngineStateHandle::spawn(target, scrape) {
+                        Ok(h) => Some(h),
+                        Err(e) => {
+                            return Err(
+                                ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)).into()
+                            )
+                        }
+                    }
+                } else {
+                    None
+                };
+                states.extend(state.clone());
+                let m = replica_metrics.replica(&u.name, &name);
+                replicas.push(Replica::new(
+                    &u.name,
+                    name,
+                    base.clone(),
+                    replica_pool(&cfg, &base),
+                    state,
+                    policy,
+                    m,
+                ));
+            }
+            if several {
+                tracing::info!(
+                    upstream = %u.name,
+                    replicas = ?u.replica_urls().iter().map(|r| redact_url(r)).collect::<Vec<_>>(),
+                    eject_ms = u.eject_ms,
+                    eject_max_ms = u.eject_max().as_millis() as u64,
+                    "upstream replicas: least outstanding requests, passive health"
+                );
+            }
             upstreams.push(Upstream {
                 name: u.name.clone(),
-                pool: upconn::UpPool::new(
-                    &base,
-                    cfg.connect_timeout(),
-                    POOL_MAX_IDLE_PER_HOST,
-                    cfg.upstream_idle_timeout(),
-                ),
-                base,
                 cfg: u.clone(),
-                state,
+                replicas: Replicas::new(replicas),
                 creds,
             });
         }
@@ -447,12 +485,14 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
     // the background): client-chosen names cannot push them into `other`.
     let served: Vec<models::Served> = upstreams
         .iter()
-        .map(|u| models::Served {
-            name: u.name.clone(),
-            base: u.base.clone(),
-            patterns: u.cfg.models.clone(),
-            polled: u.cfg.scrape_interval_ms > 0,
-            creds: u.creds.clone(),
+        .filter_map(|u| {
+            Some(models::Served {
+                name: u.name.clone(),
+                base: u.replicas.first_healthy()?.base.clone(),
+                patterns: u.cfg.models.clone(),
+                polled: u.cfg.scrape_interval_ms > 0,
+                creds: u.creds.clone(),
+            })
         })
         .collect();
     models::start(metrics.clone(), &served).await;
@@ -466,7 +506,7 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
         recorder,
         upstreams
             .iter()
-            .map(|u| (u.name.clone(), u.base.clone()))
+            .filter_map(|u| Some((u.name.clone(), u.replicas.first_healthy()?.base.clone())))
             .collect(),
         tokenizers.clone(),
         cfg.token_mismatch_tolerance,

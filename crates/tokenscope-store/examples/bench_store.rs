@@ -258,6 +258,8 @@ impl Gen {
             gpu_memory_bandwidth: Some(0.3 + r.f() * 0.6),
             cost_usd: None,
             client_request_id: None,
+            cache_creation_tokens: None,
+            replica: format!("10.0.0.{}:8000", i % 3),
         }
     }
 }

@@ -1607,11 +1607,11 @@ mod tests {
     #[test]
     fn report_scans_the_covering_index() {
         let s = fixture();
-        // `gpu_band` is not in the covering index: grouping by it reads table rows (slower,
-        // still correct); every other dimension is covered.
+        // `gpu_band` and `replica` are not in the covering index: grouping by them reads table
+        // rows (slower, still correct); every other dimension is covered.
         let covered: Vec<Dimension> = Dimension::ALL
             .into_iter()
-            .filter(|d| *d != Dimension::GpuBand)
+            .filter(|d| !matches!(d, Dimension::GpuBand | Dimension::Replica))
             .collect();
         for group_by in [vec![], vec![Dimension::User, Dimension::Stream], covered] {
             let mut query = q(group_by);
@@ -1926,6 +1926,50 @@ mod tests {
         );
         let mut query = q(vec![]);
         query.filters = vec![(Dimension::GpuBand, "50-80%".to_owned())];
+        assert_eq!(run_report(&s, &query).expect("report")[0].count, 2);
+    }
+
+    #[test]
+    fn group_and_filter_by_replica() {
+        let mut s = SqliteStore::open_in_memory().expect("open");
+        let recs: Vec<RequestRecord> = [("a:1", 10.0), ("b:2", 20.0), ("a:1", 30.0), ("", 5.0)]
+            .iter()
+            .enumerate()
+            .map(|(i, (replica, total))| {
+                let mut r = mk(
+                    &format!("r{i}"),
+                    T0 + i as i64,
+                    "m",
+                    None,
+                    Outcome::Ok,
+                    None,
+                    *total,
+                    None,
+                );
+                r.replica = (*replica).to_owned();
+                r
+            })
+            .collect();
+        s.insert_batch(&recs).expect("insert");
+        let rows = run_report(&s, &q(vec![Dimension::Replica])).expect("report");
+        let got: Vec<(String, u64, Option<f64>)> = rows
+            .iter()
+            .map(|r| (r.group[0].1.clone(), r.count, r.e2e.p99))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (String::new(), 1, Some(5.0)),
+                ("a:1".to_owned(), 2, Some(30.0)),
+                ("b:2".to_owned(), 1, Some(20.0)),
+            ]
+        );
+        assert_eq!(
+            "replica".parse::<Dimension>().expect("dim"),
+            Dimension::Replica
+        );
+        let mut query = q(vec![]);
+        query.filters = vec![(Dimension::Replica, "a:1".to_owned())];
         assert_eq!(run_report(&s, &query).expect("report")[0].count, 2);
     }
 

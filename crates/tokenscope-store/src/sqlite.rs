@@ -70,6 +70,11 @@
 //! * v6 — column `client_request_id TEXT` (the client's `x-request-id`, `NULL` when it sent
 //!   none, and for rows written before v6) and the partial index
 //!   `idx_log_client_request_id` on it (rows with a client id only). Readers need v6.
+//! * v7 — columns `cache_creation_tokens INTEGER` (prompt tokens written to the engine's
+//!   prompt cache; `NULL` when unknown, and for rows written before v7) and
+//!   `replica TEXT NOT NULL DEFAULT ''` (the upstream replica that served the request,
+//!   `host:port`; empty when none was chosen, and for older rows). Not in the covering time
+//!   index (a report by `replica` reads table rows, like `gpu_band`). Readers need v7.
 //!
 //! Indexes: the primary key (`request_id`: idempotent inserts, [`SqliteStore::get`]) and
 //! `idx_log_created_at`, led by `created_at` and carrying every column a
@@ -126,7 +131,7 @@ pub const SQL_USER_TOKENS_PER_DAY: &str = include_str!("sql/user_tokens_per_day.
 pub const SQL_MEAN_TTFT_BY_BUCKET: &str = include_str!("sql/mean_ttft_by_bucket.sql");
 
 /// Every column of [`TABLE`], in the order [`record_from_row`] expects them.
-pub const COLUMNS: [&str; 52] = [
+pub const COLUMNS: [&str; 54] = [
     "request_id",
     "trace_id",
     "created_at",
@@ -179,6 +184,8 @@ pub const COLUMNS: [&str; 52] = [
     "gpu_memory_bandwidth",
     "cost_usd",
     "client_request_id",
+    "cache_creation_tokens",
+    "replica",
 ];
 
 /// Ordered schema migrations: entry `i` takes the schema from version `i` to `i + 1`.
@@ -289,15 +296,23 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE llm_inference_log ADD COLUMN client_request_id TEXT;
     CREATE INDEX IF NOT EXISTS idx_log_client_request_id ON llm_inference_log (client_request_id)
         WHERE client_request_id IS NOT NULL;",
+    // v7: prompt tokens written to the engine's prompt cache (Anthropic
+    // `cache_creation_input_tokens`; `NULL` when not reported, and for rows written before
+    // v7) and the replica of the upstream that served the request (`host:port`; empty when
+    // none was chosen, and for rows written before v7). The covering time index is left as
+    // it is (rebuilding it would scan the whole table at start-up): a report grouped or
+    // filtered by `replica` reads the table rows, like `gpu_band`.
+    "ALTER TABLE llm_inference_log ADD COLUMN cache_creation_tokens INTEGER;
+    ALTER TABLE llm_inference_log ADD COLUMN replica TEXT NOT NULL DEFAULT '';",
 ];
 
 /// The schema version this build writes and understands.
 pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
-/// The oldest schema a read-only open accepts: v6 added `client_request_id`, the last column
-/// the reads name (v3 and v4 only changed indexes). An older file is migrated by the next
-/// writer (`tokenscope serve`, or [`SqliteStore::open`]).
-pub const MIN_READ_VERSION: u32 = 6;
+/// The oldest schema a read-only open accepts: v7 added `cache_creation_tokens` and
+/// `replica`, the last columns the reads name (v3 and v4 only changed indexes). An older file
+/// is migrated by the next writer (`tokenscope serve`, or [`SqliteStore::open`]).
+pub const MIN_READ_VERSION: u32 = 7;
 
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -802,7 +817,7 @@ fn file_id(_path: &Path) -> std::io::Result<FileId> {
 }
 
 /// Rows per multi-row `INSERT` statement in [`SqliteStore::insert_batch`]
-/// (`ROWS_PER_INSERT × 52` parameters; SQLite allows 32 766).
+/// (`ROWS_PER_INSERT × 54` parameters; SQLite allows 32 766).
 const ROWS_PER_INSERT: usize = 32;
 
 /// `INSERT OR IGNORE INTO llm_inference_log (<COLUMNS>) VALUES (?,…), …` for `rows` rows,
@@ -817,7 +832,7 @@ fn insert_sql(rows: usize) -> String {
     )
 }
 
-/// Binds `r` to parameters `base + 1 ..= base + 52` of `stmt`, in [`COLUMNS`] order.
+/// Binds `r` to parameters `base + 1 ..= base + 54` of `stmt`, in [`COLUMNS`] order.
 fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusqlite::Result<()> {
     let mut i = base;
     let mut bind = |stmt: &mut Statement<'_>, v: &dyn ToSql| {
@@ -876,6 +891,8 @@ fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusq
     bind(stmt, &r.gpu_memory_bandwidth)?;
     bind(stmt, &r.cost_usd)?;
     bind(stmt, &r.client_request_id)?;
+    bind(stmt, &opt_i64(r.cache_creation_tokens))?;
+    bind(stmt, &r.replica)?;
     debug_assert_eq!(i - base, COLUMNS.len());
     Ok(())
 }
@@ -1091,6 +1108,8 @@ pub fn record_from_row(row: &Row<'_>) -> rusqlite::Result<RequestRecord> {
         gpu_memory_bandwidth: row.get(49)?,
         cost_usd: row.get(50)?,
         client_request_id: row.get(51)?,
+        cache_creation_tokens: get_u64(row, 52)?,
+        replica: row.get(53)?,
     })
 }
 
@@ -1153,6 +1172,8 @@ pub(crate) mod tests {
             gpu_memory_bandwidth: Some(0.625),
             cost_usd: Some(0.001_234_5),
             client_request_id: Some(format!("client-{id}")),
+            cache_creation_tokens: Some(96),
+            replica: "10.0.0.7:8000".to_owned(),
         }
     }
 
@@ -1477,6 +1498,10 @@ pub(crate) mod tests {
         assert_eq!(
             (old.engine, old.engine_kv_usage, old.input_tokens_entry),
             (None, None, None)
+        );
+        assert_eq!(
+            (old.cache_creation_tokens, old.replica.as_str()),
+            (None, "")
         );
         // New rows carry every new field.
         store.insert(&full_record("new")).expect("insert");

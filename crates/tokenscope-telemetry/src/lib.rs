@@ -18,10 +18,12 @@
 //!   (queue / prefill / decode), the business layer
 //!   `llm_business_line_tokens_total{business_line,token_type}` and
 //!   `llm_cost_usd_total{model,business_line}` (business lines bounded like models), and the
-//!   gateway's own `tokenscope_*` health metrics.
+//!   gateway's own `tokenscope_*` health metrics; per upstream replica ([`replicas`]):
+//!   outstanding requests, health and ejections.
 #![deny(missing_docs)]
 
 mod labels;
+pub mod replicas;
 
 pub use labels::{
     bounded_label, ModelLabeler, UserLabelMode, UserLabeler, MAX_NAME_LABEL_BYTES,

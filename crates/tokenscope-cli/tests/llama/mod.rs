@@ -60,6 +60,11 @@ fn free_port() -> u16 {
 /// (one thread: the gateway and the test client keep the other core, so client-side timing
 /// comparisons are not distorted by the engine's busy threads).
 pub async fn start(args: &[&str]) -> Option<Llama> {
+    start_on(free_port(), args).await
+}
+
+/// [`start`] on `port` (e.g. to restart an engine where the gateway expects it).
+pub async fn start_on(port: u16, args: &[&str]) -> Option<Llama> {
     let Some(vars) = llama_env() else {
         if std::env::var("TOKENSCOPE_REQUIRE_ENGINE").as_deref() == Ok("1") {
             panic!("llama.cpp is required (TOKENSCOPE_REQUIRE_ENGINE=1) but not installed: run scripts/install-llama.sh");
@@ -67,7 +72,6 @@ pub async fn start(args: &[&str]) -> Option<Llama> {
         eprintln!("SKIPPED: llama.cpp not installed (run scripts/install-llama.sh)");
         return None;
     };
-    let port = free_port();
     let child = Command::new(&vars["LLAMA_SERVER"])
         .env(
             "LD_LIBRARY_PATH",

@@ -230,6 +230,8 @@ impl LogRow {
             input_tokens: self.input_tokens,
             output_tokens: self.output_tokens,
             cached_tokens: self.cached_tokens,
+            // Not stored yet (the store keeps it once its column exists).
+            cache_creation_tokens: None,
             reasoning_tokens: self.reasoning_tokens,
             queue_duration_ms: self.queue_duration_ms,
             prefill_duration_ms: self.prefill_duration_ms,

@@ -1060,6 +1060,8 @@ pub fn record_from_row(row: &Row<'_>) -> rusqlite::Result<RequestRecord> {
         input_tokens: get_u64(row, 18)?,
         output_tokens: get_u64(row, 19)?,
         cached_tokens: get_u64(row, 20)?,
+        // Not stored yet (the store keeps it once its column exists).
+        cache_creation_tokens: None,
         reasoning_tokens: get_u64(row, 21)?,
         input_tokens_source: get_enum(row, 22, TokenSource::parse)?,
         output_tokens_source: get_enum(row, 23, TokenSource::parse)?,

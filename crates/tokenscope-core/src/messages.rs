@@ -6,7 +6,7 @@
 //! | `type` | what it tells |
 //! |---|---|
 //! | `message` (a non-streamed body) | id, model, `stop_reason`, `usage`; output from its `content` blocks |
-//! | `message_start` | id, model, the first `usage` (input and cache tokens; output 0 or 1) |
+//! | `message_start` | id, model, the first `usage`: input and cache tokens (its output count is a placeholder, 0 or 1, and is not read: a stream cut before `message_delta` has no output count from usage, the gateway counts its chunks) |
 //! | `content_block_start` | an output chunk when the block already carries generated tokens: non-empty `text` / `thinking`, or a tool call's `name` (as chat's first `tool_calls` chunk) |
 //! | `content_block_delta` | an output chunk for a non-empty `text_delta`, `thinking_delta` or `input_json_delta`; `signature_delta` and `citations_delta` carry no generated tokens |
 //! | `message_delta` | `stop_reason`, `usage` (cumulative: a newer value replaces the older one, field by field; newer API versions repeat the input and cache counts here) |
@@ -218,6 +218,11 @@ pub fn parse(data: &[u8]) -> Result<PayloadInfo<'_>, PayloadError> {
         info.id = m.id.map(|i| i.0);
         info.model = m.model.map(|m| m.0);
         info.messages_usage = m.usage;
+        if kind == Some("message_start") {
+            if let Some(u) = info.messages_usage.as_mut() {
+                u.output_tokens = None;
+            }
+        }
         info.finish_reason = m.stop_reason.map(|r| finish_reason(&r.0));
         for block in m.content.into_iter().flatten() {
             info.has_output |= non_empty(&block.name).is_some();
@@ -413,7 +418,9 @@ mod tests {
             r#"{"type":"message_start","message":{"usage":{"input_tokens":5,"cache_read_input_tokens":21,"output_tokens":1}}}"#,
         );
         let mut u = start.messages_usage.expect("usage");
-        assert_eq!(u.to_usage().completion_tokens, Some(1));
+        // The start's output count is a placeholder: not a count.
+        assert_eq!(u.to_usage().completion_tokens, None);
+        assert_eq!(u.to_usage().prompt_tokens, Some(26));
         // Older API versions: the delta carries only the (cumulative) output.
         let delta = p(
             r#"{"type":"message_delta","delta":{"stop_reason":"max_tokens"},"usage":{"output_tokens":8}}"#,
@@ -479,7 +486,7 @@ mod tests {
         #[test]
         fn prompt_total_is_the_sum(
             input in 0u64..1_000_000, read in proptest::option::of(0u64..1_000_000),
-            created in proptest::option::of(0u64..1_000_000), out in 0u64..100_000,
+            created in proptest::option::of(0u64..1_000_000), out in 0u64..2,
         ) {
             let mut fields = vec![format!(r#""input_tokens":{input}"#), format!(r#""output_tokens":{out}"#)];
             if let Some(r) = read { fields.push(format!(r#""cache_read_input_tokens":{r}"#)); }
@@ -487,7 +494,7 @@ mod tests {
             let body = format!(r#"{{"type":"message_start","message":{{"usage":{{{}}}}}}}"#, fields.join(","));
             let u = parse(body.as_bytes()).expect("valid").messages_usage.expect("usage").to_usage();
             prop_assert_eq!(u.prompt_tokens, Some(input + read.unwrap_or(0) + created.unwrap_or(0)));
-            prop_assert_eq!(u.completion_tokens, Some(out));
+            prop_assert_eq!(u.completion_tokens, None, "the start's output is a placeholder");
             prop_assert_eq!(u.cached_tokens(), read);
             prop_assert_eq!(u.cache_creation_tokens, created);
         }

@@ -842,10 +842,12 @@ mod tests {
 
     #[test]
     fn error_events_and_usage_less_streams() {
-        // Anthropic `error` event mid-stream: an upstream error with what was seen.
+        // Anthropic `error` event mid-stream: an upstream error with what was seen (the
+        // start's placeholder output count is no count).
         let (rec, _) = streamed(
             Endpoint::Messages,
             &[
+                (5, "data: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":7,\"output_tokens\":1}}}\n\n"),
                 (10, "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n"),
                 (20, "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n"),
             ],
@@ -860,7 +862,7 @@ mod tests {
         );
         assert_eq!(
             (rec.input_tokens, rec.input_tokens_source),
-            (Some(3), TokenSource::Estimate)
+            (Some(7), TokenSource::Usage)
         );
         for failure in [
             "event: response.failed\ndata: {\"type\":\"response.failed\",\"response\":{\"status\":\"failed\",\"error\":{\"code\":\"server_error\"}}}\n\n",

@@ -41,6 +41,7 @@ fn record(i: u64, now_us: i64) -> RequestRecord {
         input_tokens: Some(100 + i % 3000),
         output_tokens: Some(10 + i % 500),
         cached_tokens: Some(i % 64),
+        cache_creation_tokens: None,
         reasoning_tokens: None,
         input_tokens_source: TokenSource::Usage,
         output_tokens_source: TokenSource::Usage,

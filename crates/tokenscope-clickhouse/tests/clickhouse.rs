@@ -54,6 +54,7 @@ fn full_record(id: &str) -> RequestRecord {
         input_tokens: Some(1234),
         output_tokens: Some(u64::MAX),
         cached_tokens: Some(1024),
+        cache_creation_tokens: None,
         reasoning_tokens: Some(12),
         input_tokens_source: TokenSource::Usage,
         output_tokens_source: TokenSource::Chunks,

@@ -219,6 +219,7 @@ impl Gen {
             input_tokens: Some(input),
             output_tokens: ok.then_some(output),
             cached_tokens: Some(cached),
+            cache_creation_tokens: None,
             reasoning_tokens: None,
             input_tokens_source: TokenSource::Usage,
             output_tokens_source: if ok {

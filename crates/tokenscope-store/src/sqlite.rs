@@ -1124,6 +1124,7 @@ pub(crate) mod tests {
             input_tokens: Some(1234),
             output_tokens: Some(77),
             cached_tokens: Some(1024),
+            cache_creation_tokens: None,
             reasoning_tokens: Some(12),
             input_tokens_source: TokenSource::Usage,
             output_tokens_source: TokenSource::Chunks,

@@ -302,7 +302,9 @@ pub struct RequestRecord {
     pub outcome: Outcome,
     /// A low-cardinality error class when `outcome != ok`.
     pub error_type: Option<String>,
-    /// `finish_reason` of the (first) choice.
+    /// `finish_reason` of the (first) choice, in chat's words (`stop`, `length`, `tool_calls`,
+    /// `content_filter`): the Responses and Messages APIs' reasons are mapped onto them (see
+    /// [`crate::responses`], [`crate::messages`]).
     pub finish_reason: Option<String>,
     /// `max_tokens` / `max_completion_tokens` the client asked for.
     pub max_tokens: Option<u64>,

@@ -301,6 +301,64 @@ fn concurrency_cap_drops_and_plain_responses() {
     assert!(f(&l["elapsed_s"]) < 1.5, "{l}");
 }
 
+/// `--endpoint responses|messages`: the Responses and Messages APIs, streamed through the
+/// gateway: every request ok with its exact output (the APIs' own usage), TTFT/TPOT from their
+/// own delta events, and the gateway records them under their endpoints.
+#[test]
+fn responses_and_messages_endpoints() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mock = MockProc::start(&["--time-scale", "0.5", "--slots", "2"]);
+    let gw = GatewayProc::start(&mock.url(), &[]);
+    for endpoint in ["responses", "messages"] {
+        let levels = bench(&[
+            "--target",
+            &gw.url(""),
+            "--endpoint",
+            endpoint,
+            "--rates",
+            "5",
+            "--duration",
+            "1s",
+            "--arrival",
+            "constant",
+            "--mix",
+            "8",
+            "--output-tokens",
+            "12",
+            "--max-tokens",
+            "50",
+            "--stream",
+        ]);
+        let l = &levels[0];
+        assert_eq!(
+            (f(&l["ok"]), f(&l["errors"])),
+            (5.0, 0.0),
+            "{endpoint}: {l}"
+        );
+        // 5 requests × 12 tokens, counted from the API's usage.
+        assert!(
+            (f(&l["output_tokens_per_s"]) * f(&l["elapsed_s"]) - 60.0).abs() < 1e-6,
+            "{endpoint}: {l}"
+        );
+        assert!(f(&l["tpot_ms"]["p50"]) > 0.0, "{endpoint}: {l}");
+        assert!(
+            f(&l["ttft_ms"]["p50"]) < f(&l["e2e_ms"]["p50"]),
+            "{endpoint}: {l}"
+        );
+    }
+    let (store, _dir) = gw.stop();
+    let rows = store_table(&store);
+    for endpoint in ["responses", "messages"] {
+        let mine: Vec<_> = rows.iter().filter(|r| r["endpoint"] == endpoint).collect();
+        assert_eq!(mine.len(), 5, "{endpoint}");
+        assert!(
+            mine.iter()
+                .all(|r| r["output_tokens"] == 12 && r["outcome"] == "ok"),
+            "{endpoint}"
+        );
+    }
+}
+
 /// Against llama.cpp (Gemma 3 270M, `scripts/install-llama.sh`; skipped when absent unless
 /// `TOKENSCOPE_REQUIRE_ENGINE=1`): client and gateway agree per request within the same
 /// tolerance, and the prompts' real token counts are close to the requested lengths.

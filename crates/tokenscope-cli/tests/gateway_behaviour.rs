@@ -931,6 +931,106 @@ async fn embeddings_are_measured() {
     assert_eq!(rec["outcome"], "ok");
 }
 
+/// `/v1/responses` and `/v1/messages` in front of the mock engine: streamed, tokens are the
+/// usage and every token is one chunk; an Anthropic client's `x-api-key` finds its
+/// `[[api_keys]]` entry; faults mid-stream keep the chunks seen and the outcome the fault
+/// deserves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_and_messages_are_measured() {
+    const KEY: &str = "sk-ant-test-1";
+    let mock = MockProc::start(&[]);
+    let cfg_dir = tempfile::tempdir().expect("tempdir");
+    let cfg = cfg_dir.path().join("keys.toml");
+    std::fs::write(
+        &cfg,
+        format!("[[api_keys]]\nkey = \"{KEY}\"\ntenant = \"t-ant\"\n"),
+    )
+    .expect("write config");
+    let gw = GatewayProc::start(
+        &mock.url(),
+        &[("TOKENSCOPE_CONFIG", cfg.to_str().expect("utf-8 path"))],
+    );
+    let responses = json!({"model": "m", "input": "hello there", "stream": true,
+                           "mock_output_tokens": 4, "max_output_tokens": 9});
+    let messages = json!({"model": "m", "max_tokens": 9, "stream": true, "mock_output_tokens": 5,
+                          "metadata": {"user_id": "ant-user"},
+                          "messages": [{"role": "user", "content": "hello there"}]});
+    for (path, body, n, endpoint) in [
+        ("/v1/responses", &responses, 4, "responses"),
+        ("/v1/messages", &messages, 5, "messages"),
+    ] {
+        let s = stream(&gw.url(path), body, &[("x-api-key", KEY)], None).await;
+        assert_eq!(s.status, 200, "{path}");
+        assert!(
+            s.events.iter().all(|e| e.json.is_some()),
+            "{path}: JSON events only"
+        );
+        assert_eq!(s.output_events().len(), n, "{path}");
+        let rec = gw.record(&s.request_id()).await;
+        assert_eq!(rec["endpoint"], endpoint);
+        assert_eq!(rec["request_type"], "chat");
+        assert_eq!(rec["outcome"], "ok", "{rec}");
+        assert_eq!(
+            (u(&rec["output_tokens"]), u(&rec["chunks"])),
+            (n as u64, n as u64)
+        );
+        assert_eq!(rec["output_tokens_source"], "usage");
+        assert_eq!(rec["input_tokens_source"], "usage");
+        assert_eq!(rec["max_tokens"], 9);
+        assert_eq!(
+            rec["tenant"], "t-ant",
+            "x-api-key looked up in [[api_keys]]"
+        );
+        assert!(
+            rec["tpot_ms"].is_number() && rec["ttft_ms"].is_number(),
+            "{rec}"
+        );
+    }
+    let rec = gw
+        .record(
+            &stream(&gw.url("/v1/messages"), &messages, &[], None)
+                .await
+                .request_id(),
+        )
+        .await;
+    assert_eq!(rec["user_id"], "ant-user");
+
+    // Faults mid-stream: 3 tokens, then the connection drops / a malformed event.
+    for (path, body, fault, outcome, error) in [
+        (
+            "/v1/messages",
+            &messages,
+            "drop_mid_stream",
+            "upstream_error",
+            "upstream_disconnected",
+        ),
+        (
+            "/v1/responses",
+            &responses,
+            "malformed_sse",
+            "upstream_error",
+            "malformed_response",
+        ),
+    ] {
+        let s = stream(&gw.url(path), body, &[("x-mock-fault", fault)], None).await;
+        let rec = gw.record(&s.request_id()).await;
+        assert_eq!(
+            (rec["outcome"].as_str(), rec["error_type"].as_str()),
+            (Some(outcome), Some(error)),
+            "{path} {fault}: {rec}"
+        );
+        assert_eq!(u(&rec["chunks"]), 3, "{path} {fault}: {rec}");
+        assert_eq!(
+            rec["output_tokens_source"], "chunks",
+            "{path} {fault}: {rec}"
+        );
+    }
+}
+
+fn u(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("not a count: {v}"))
+}
+
 /// (name, nice value) of every thread of process `pid`: `/proc/PID/task/TID/stat`, where the
 /// nice value is field 19 (the name, field 2, is in parentheses and may contain spaces).
 fn thread_nice_values(pid: u32) -> Vec<(String, i32)> {

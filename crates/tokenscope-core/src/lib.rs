@@ -9,6 +9,8 @@
 //! * [`sse`] — an incremental, bounded Server-Sent-Events parser.
 //! * [`openai`] — reading OpenAI-compatible request and response bodies (usage, model, finish
 //!   reason, llama.cpp `timings`), and the `include_usage` rewrite.
+//! * [`responses`], [`messages`] — reading OpenAI Responses API and Anthropic Messages API
+//!   bodies and streamed events into the same [`openai::PayloadInfo`].
 //! * [`prompt`] — prompt normalisation and hashing for duplicate detection.
 //! * [`query`] — the read side's vocabulary: [`Window`], [`Dimension`], [`Format`] and the one
 //!   nearest-rank percentile ([`nearest_rank`]). With the `clap` feature, `Dimension` and
@@ -29,11 +31,13 @@
 #![deny(missing_docs)]
 
 pub mod engine;
+pub mod messages;
 pub mod openai;
 pub mod prompt;
 pub mod query;
 pub mod record;
 pub mod redact;
+pub mod responses;
 pub mod sse;
 pub mod success;
 pub mod time;

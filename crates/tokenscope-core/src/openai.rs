@@ -1,9 +1,13 @@
-//! Reading OpenAI-compatible request and response bodies.
+//! Reading OpenAI-compatible request and response bodies; [`parse_payload_for`] dispatches to
+//! the readers of the Responses ([`crate::responses`]) and Messages ([`crate::messages`]) APIs,
+//! which give the same [`PayloadInfo`].
 //!
 //! Everything here is tolerant: unknown fields are ignored, a field of the wrong type is treated
 //! as absent where possible, and no input panics. Token counts are never invented: a count is
 //! only reported when the payload carries it.
 
+use crate::messages::MessagesUsage;
+use crate::record::Endpoint;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::Value;
@@ -18,14 +22,28 @@ pub struct RequestInfo {
     pub stream: bool,
     /// `stream_options.include_usage` (false when absent).
     pub include_usage: bool,
-    /// `max_tokens`, else `max_completion_tokens`.
+    /// `max_tokens`, else `max_completion_tokens`, else `max_output_tokens` (Responses API).
     pub max_tokens: Option<u64>,
-    /// The body's `user` field.
+    /// The body's `user` field (Messages API: `metadata.user_id`).
     pub user: Option<String>,
 }
 
 impl RequestInfo {
-    /// Reads the fields from a parsed JSON body.
+    /// Reads the fields from a parsed JSON body of a request to `endpoint`.
+    pub fn for_endpoint(endpoint: Endpoint, v: &Value) -> Self {
+        let mut info = Self::from_json(v);
+        if endpoint == Endpoint::Messages {
+            info.user = v
+                .get("metadata")
+                .and_then(|m| m.get("user_id"))
+                .and_then(Value::as_str)
+                .map(str::to_owned);
+        }
+        info
+    }
+
+    /// Reads the fields from a parsed JSON body (of a chat request; see
+    /// [`RequestInfo::for_endpoint`]).
     pub fn from_json(v: &Value) -> Self {
         let str_field = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
         RequestInfo {
@@ -39,7 +57,8 @@ impl RequestInfo {
             max_tokens: v
                 .get("max_tokens")
                 .and_then(Value::as_u64)
-                .or_else(|| v.get("max_completion_tokens").and_then(Value::as_u64)),
+                .or_else(|| v.get("max_completion_tokens").and_then(Value::as_u64))
+                .or_else(|| v.get("max_output_tokens").and_then(Value::as_u64)),
             user: str_field("user"),
         }
     }
@@ -82,6 +101,10 @@ pub struct Usage {
     /// `completion_tokens_details.reasoning_tokens`.
     #[serde(default)]
     pub completion_tokens_details: Option<CompletionDetails>,
+    /// Prompt tokens written to the prompt cache (not an OpenAI field: Anthropic's
+    /// `cache_creation_input_tokens`, see [`MessagesUsage::to_usage`]).
+    #[serde(skip)]
+    pub cache_creation_tokens: Option<u64>,
 }
 
 impl Usage {
@@ -161,7 +184,7 @@ pub struct VllmMetrics {
     pub tokens_per_second: Option<f64>,
 }
 
-fn lenient_u64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+pub(crate) fn lenient_u64<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     let v = Option::<Value>::deserialize(d)?;
     Ok(v.and_then(|v| match v {
         Value::Number(n) => n.as_u64().or_else(|| {
@@ -198,6 +221,9 @@ pub struct PayloadInfo<'a> {
     pub output_bytes: usize,
     /// The first choice's output text in this payload (content, else reasoning, else text).
     pub text: Option<Cow<'a, str>>,
+    /// The Messages API's `usage` (cumulative counts, merged across a stream's events and then
+    /// turned into a [`Usage`] by [`MessagesUsage::to_usage`]); `None` for the other APIs.
+    pub messages_usage: Option<MessagesUsage>,
 }
 
 impl PayloadInfo<'_> {
@@ -216,7 +242,7 @@ fn lenient_metrics<'de, D: serde::Deserializer<'de>>(
 }
 
 /// A string borrowed from the input when it has no escapes (no allocation per chunk).
-struct BStr<'a>(Cow<'a, str>);
+pub(crate) struct BStr<'a>(pub(crate) Cow<'a, str>);
 
 impl<'de: 'a, 'a> Deserialize<'de> for BStr<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -305,6 +331,19 @@ enum RawContent<'a> {
 #[error("malformed JSON payload: {0}")]
 pub struct PayloadError(#[from] serde_json::Error);
 
+/// Reads a response body or one streamed `data:` payload of `endpoint`'s API: the
+/// OpenAI-compatible endpoints with [`parse_payload`], the Responses API with
+/// [`crate::responses::parse`], the Messages API with [`crate::messages::parse`].
+pub fn parse_payload_for(endpoint: Endpoint, data: &[u8]) -> Result<PayloadInfo<'_>, PayloadError> {
+    match endpoint {
+        Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Embeddings => {
+            parse_payload(data)
+        }
+        Endpoint::Responses => crate::responses::parse(data),
+        Endpoint::Messages => crate::messages::parse(data),
+    }
+}
+
 /// Reads a chat/completion/embedding response body or one streamed `data:` payload.
 pub fn parse_payload(data: &[u8]) -> Result<PayloadInfo<'_>, PayloadError> {
     let raw: RawPayload<'_> = serde_json::from_slice(data)?;
@@ -371,6 +410,44 @@ mod tests {
         assert!(r.stream && r.include_usage);
         assert_eq!(r.max_tokens, Some(7));
         assert_eq!(r.user.as_deref(), Some("u"));
+        // The Responses API's limit; the Messages API's user.
+        let v = serde_json::json!({"max_output_tokens": 9, "user": "u"});
+        let r = RequestInfo::for_endpoint(Endpoint::Responses, &v);
+        assert_eq!((r.max_tokens, r.user.as_deref()), (Some(9), Some("u")));
+        let v = serde_json::json!({"max_tokens": 4, "user": "not-anthropic", "metadata": {"user_id": "a1"}});
+        let r = RequestInfo::for_endpoint(Endpoint::Messages, &v);
+        assert_eq!((r.max_tokens, r.user.as_deref()), (Some(4), Some("a1")));
+        let r = RequestInfo::for_endpoint(Endpoint::Messages, &serde_json::json!({"metadata": 3}));
+        assert_eq!(r.user, None);
+    }
+
+    #[test]
+    fn payloads_are_read_by_their_endpoints_parser() {
+        let delta = br#"{"type":"response.output_text.delta","delta":"hi"}"#;
+        assert!(
+            parse_payload_for(Endpoint::Responses, delta)
+                .expect("valid")
+                .has_output
+        );
+        assert!(
+            !parse_payload_for(Endpoint::ChatCompletions, delta)
+                .expect("valid")
+                .has_output
+        );
+        let block = br#"{"type":"content_block_delta","delta":{"type":"text_delta","text":"hi"}}"#;
+        assert!(
+            parse_payload_for(Endpoint::Messages, block)
+                .expect("valid")
+                .has_output
+        );
+        let chunk = br#"{"choices":[{"delta":{"content":"hi"}}]}"#;
+        for e in [
+            Endpoint::ChatCompletions,
+            Endpoint::Completions,
+            Endpoint::Embeddings,
+        ] {
+            assert!(parse_payload_for(e, chunk).expect("valid").has_output);
+        }
     }
 
     #[test]

@@ -105,7 +105,7 @@ pub enum Dimension {
     /// `outcome` (`ok`, `client_error`, `upstream_error`, `timeout`, `cancelled`).
     #[cfg_attr(feature = "clap", value(name = "status", alias = "outcome"))]
     Status,
-    /// `endpoint` (`chat_completions`, `completions`, `embeddings`).
+    /// `endpoint` (`chat_completions`, `completions`, `embeddings`, `responses`, `messages`).
     #[cfg_attr(feature = "clap", value(name = "endpoint"))]
     Endpoint,
     /// `upstream`.

@@ -58,7 +58,8 @@ impl Outcome {
     }
 }
 
-/// The measured OpenAI-compatible endpoint (other paths are passed through unmeasured).
+/// The measured endpoint (other paths are passed through unmeasured): the OpenAI-compatible
+/// ones, OpenAI's Responses API and Anthropic's Messages API.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Endpoint {
@@ -69,15 +70,30 @@ pub enum Endpoint {
     Completions,
     /// `/v1/embeddings`
     Embeddings,
+    /// `/v1/responses` (OpenAI Responses API)
+    Responses,
+    /// `/v1/messages` (Anthropic Messages API)
+    Messages,
 }
 
 impl Endpoint {
+    /// Every variant, in a stable order.
+    pub const ALL: [Endpoint; 5] = [
+        Endpoint::ChatCompletions,
+        Endpoint::Completions,
+        Endpoint::Embeddings,
+        Endpoint::Responses,
+        Endpoint::Messages,
+    ];
+
     /// Maps a request path to a measured endpoint.
     pub fn from_path(path: &str) -> Option<Self> {
         match path.trim_end_matches('/') {
             "/v1/chat/completions" | "/chat/completions" => Some(Endpoint::ChatCompletions),
             "/v1/completions" | "/completions" => Some(Endpoint::Completions),
             "/v1/embeddings" | "/embeddings" => Some(Endpoint::Embeddings),
+            "/v1/responses" | "/responses" => Some(Endpoint::Responses),
+            "/v1/messages" | "/messages" => Some(Endpoint::Messages),
             _ => None,
         }
     }
@@ -88,28 +104,32 @@ impl Endpoint {
             Endpoint::ChatCompletions => "chat_completions",
             Endpoint::Completions => "completions",
             Endpoint::Embeddings => "embeddings",
+            Endpoint::Responses => "responses",
+            Endpoint::Messages => "messages",
         }
     }
 
     /// Parses [`Endpoint::as_str`] back.
     pub fn parse(s: &str) -> Option<Self> {
-        [
-            Endpoint::ChatCompletions,
-            Endpoint::Completions,
-            Endpoint::Embeddings,
-        ]
-        .into_iter()
-        .find(|e| e.as_str() == s)
+        Self::ALL.into_iter().find(|e| e.as_str() == s)
     }
 
     /// The default `request_type` when the caller did not set one (the OpenTelemetry GenAI
-    /// operation name).
+    /// operation name: both the Responses and the Messages API are `chat`).
     pub fn default_request_type(self) -> &'static str {
         match self {
-            Endpoint::ChatCompletions => "chat",
+            Endpoint::ChatCompletions | Endpoint::Responses | Endpoint::Messages => "chat",
             Endpoint::Completions => "text_completion",
             Endpoint::Embeddings => "embeddings",
         }
+    }
+
+    /// Whether a stream of this endpoint reports usage only when asked with
+    /// `stream_options.include_usage` (the OpenAI-compatible endpoints). The Responses and
+    /// Messages APIs always send it (`response.completed`, `message_start` / `message_delta`)
+    /// and know no such option.
+    pub fn usage_on_request(self) -> bool {
+        matches!(self, Endpoint::ChatCompletions | Endpoint::Completions)
     }
 }
 
@@ -287,7 +307,9 @@ pub struct RequestRecord {
     pub outcome: Outcome,
     /// A low-cardinality error class when `outcome != ok`.
     pub error_type: Option<String>,
-    /// `finish_reason` of the (first) choice.
+    /// `finish_reason` of the (first) choice, in chat's words (`stop`, `length`, `tool_calls`,
+    /// `content_filter`): the Responses and Messages APIs' reasons are mapped onto them (see
+    /// [`crate::responses`], [`crate::messages`]).
     pub finish_reason: Option<String>,
     /// `max_tokens` / `max_completion_tokens` the client asked for.
     pub max_tokens: Option<u64>,
@@ -514,12 +536,12 @@ mod tests {
         for b in InputBucket::ALL {
             assert_eq!(InputBucket::parse(b.as_str()), Some(b));
         }
-        for e in [
-            Endpoint::ChatCompletions,
-            Endpoint::Completions,
-            Endpoint::Embeddings,
-        ] {
+        for e in Endpoint::ALL {
             assert_eq!(Endpoint::parse(e.as_str()), Some(e));
+            assert_eq!(
+                Endpoint::from_path(&format!("/v1/{}", e.as_str().replace('_', "/"))),
+                Some(e)
+            );
         }
         for p in [PhaseSource::Engine, PhaseSource::Derived, PhaseSource::None] {
             assert_eq!(PhaseSource::parse(p.as_str()), Some(p));
@@ -663,6 +685,18 @@ mod tests {
             Endpoint::from_path("/v1/embeddings"),
             Some(Endpoint::Embeddings)
         );
+        assert_eq!(
+            Endpoint::from_path("/v1/responses"),
+            Some(Endpoint::Responses)
+        );
+        assert_eq!(
+            Endpoint::from_path("/v1/messages/"),
+            Some(Endpoint::Messages)
+        );
+        assert_eq!(Endpoint::from_path("/v1/messages/count_tokens"), None);
         assert_eq!(Endpoint::from_path("/v1/models"), None);
+        assert_eq!(Endpoint::Messages.default_request_type(), "chat");
+        assert!(!Endpoint::Responses.usage_on_request());
+        assert!(Endpoint::Completions.usage_on_request());
     }
 }

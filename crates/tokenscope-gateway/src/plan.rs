@@ -4,7 +4,9 @@
 //! * The body is parsed as JSON once ([`RequestPlan::parse`]) and serialised at most once
 //!   ([`RequestPlan::forward_body`]), only when the gateway changes it (`include_usage`
 //!   injected for a stream that did not ask for usage, `include_metrics` for an upstream with
-//!   `request_metrics`). Otherwise the bytes forwarded are the bytes received.
+//!   `request_metrics`). Otherwise the bytes forwarded are the bytes received. The Responses and
+//!   Messages APIs know neither option (their streams always carry usage): their bodies are
+//!   never changed.
 //! * A body that is not JSON is forwarded as received (the engine answers it); the plan is then
 //!   empty (no model, not a stream, no prompt).
 //! * The model and the body's `user` are bounded like header attribution
@@ -20,11 +22,14 @@ use tokenscope_core::{Endpoint, InputBucket, RequestRecord};
 /// What a request body asks for. See the module docs.
 #[derive(Debug)]
 pub(crate) struct RequestPlan {
+    /// The endpoint the body was sent to.
+    endpoint: Endpoint,
     /// The body as received.
     body: Bytes,
     /// The body parsed, when it is JSON.
     json: Option<Value>,
-    /// Model, stream, usage options, `max_tokens`, `user`.
+    /// Model, stream, usage options, `max_tokens` (`max_output_tokens`), `user`
+    /// (`metadata.user_id`).
     pub info: RequestInfo,
     /// The normalised prompt, when the endpoint has one.
     prompt: Option<String>,
@@ -43,10 +48,11 @@ impl RequestPlan {
         let json: Option<Value> = serde_json::from_slice(&body).ok();
         let info = json
             .as_ref()
-            .map(RequestInfo::from_json)
+            .map(|v| RequestInfo::for_endpoint(endpoint, v))
             .unwrap_or_default();
         let prompt = json.as_ref().and_then(|v| normalised_prompt(endpoint, v));
         RequestPlan {
+            endpoint,
             body,
             json,
             info,
@@ -60,9 +66,12 @@ impl RequestPlan {
     }
 
     /// Whether the gateway asks for streamed usage itself: a stream that did not ask for it,
-    /// with `inject_stream_usage` on.
+    /// with `inject_stream_usage` on, to an endpoint that reports usage only when asked.
     pub(crate) fn asks_usage(&self, inject_stream_usage: bool) -> bool {
-        self.info.stream && !self.info.include_usage && inject_stream_usage
+        self.info.stream
+            && !self.info.include_usage
+            && inject_stream_usage
+            && self.endpoint.usage_on_request()
     }
 
     /// Puts what the body says on the record: model, stream, `max_tokens`, the body's `user`
@@ -108,7 +117,16 @@ impl RequestPlan {
         ask_metrics: bool,
         keep_parsed: bool,
     ) -> Forward {
-        let RequestPlan { body, json, .. } = self;
+        let RequestPlan {
+            endpoint,
+            body,
+            json,
+            ..
+        } = self;
+        // The Responses and Messages APIs know neither option (see the module docs).
+        let ask_usage = ask_usage && endpoint.usage_on_request();
+        let ask_metrics =
+            ask_metrics && !matches!(endpoint, Endpoint::Responses | Endpoint::Messages);
         let Some(mut v) = json else {
             return Forward {
                 body,
@@ -234,6 +252,32 @@ mod tests {
                 assert_eq!(got, want, "row {i}");
             }
             assert_eq!(stripped, *strip, "row {i}");
+        }
+    }
+
+    #[test]
+    fn responses_and_messages_bodies_are_never_changed() {
+        for (endpoint, body) in [
+            (
+                Endpoint::Responses,
+                r#"{"model":"m","stream":true,"input":"hi","max_output_tokens":5,"user":"u"}"#,
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"model":"m","stream":true,"max_tokens":5,"metadata":{"user_id":"u"},"messages":[{"role":"user","content":"hi"}]}"#,
+            ),
+        ] {
+            let p = RequestPlan::parse(endpoint, Bytes::copy_from_slice(body.as_bytes()));
+            assert!(!p.asks_usage(true), "{endpoint:?}");
+            let f = p.forward_body(true, true, true);
+            assert_eq!(&f.body[..], body.as_bytes(), "{endpoint:?}");
+            assert!(!f.strip_usage);
+            let mut p = RequestPlan::parse(endpoint, Bytes::copy_from_slice(body.as_bytes()));
+            let mut rec = RequestRecord::default();
+            let entry = p.fill(&mut rec, 64, false);
+            assert_eq!(rec.max_tokens, Some(5), "{endpoint:?}");
+            assert_eq!(rec.user_id.as_deref(), Some("u"), "{endpoint:?}");
+            assert!(rec.stream && rec.prompt_hash.is_some() && entry.estimate.is_some());
         }
     }
 

@@ -83,7 +83,8 @@ fn body_timeout(shared: &Shared) -> Duration {
     Duration::from_millis(shared.cfg.limits.body_timeout_ms)
 }
 
-/// Handler for `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`.
+/// Handler for `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/responses`,
+/// `/v1/messages`.
 pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     let arrival = Instant::now();
     let created_at = now_us();

@@ -61,11 +61,12 @@ impl RecordGuard {
         trace: tokenscope_trace::RequestTrace,
         conn: Option<Arc<crate::server::ConnState>>,
     ) -> Self {
+        let facts = ResponseFacts::new(arrival, rec.endpoint);
         RecordGuard(Some(Box::new(Pending {
             trace,
             fanout,
             rec,
-            facts: ResponseFacts::new(arrival),
+            facts,
             entry_input_tokens: None,
             entry_count: None,
             conn,

@@ -35,9 +35,13 @@ pub(crate) async fn run(
         .route("/v1/chat/completions", post(proxy::measured))
         .route("/v1/completions", post(proxy::measured))
         .route("/v1/embeddings", post(proxy::measured))
+        .route("/v1/responses", post(proxy::measured))
+        .route("/v1/messages", post(proxy::measured))
         .route("/chat/completions", post(proxy::measured))
         .route("/completions", post(proxy::measured))
         .route("/embeddings", post(proxy::measured))
+        .route("/responses", post(proxy::measured))
+        .route("/messages", post(proxy::measured))
         .fallback(any(proxy::passthrough))
         .with_state(shared.clone());
     let admin_app = admin::router(shared.clone(), pipeline.clone());

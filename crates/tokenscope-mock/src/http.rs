@@ -70,6 +70,8 @@ pub(crate) fn app(cfg: MockConfig, shutdown: CancellationToken) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/embeddings", post(embeddings))
+        .route("/v1/responses", post(responses))
+        .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -129,9 +131,31 @@ impl IntoResponse for ApiError {
 enum Kind {
     Chat,
     Completion,
+    /// OpenAI Responses API (`/v1/responses`).
+    Responses,
+    /// Anthropic Messages API (`/v1/messages`).
+    Messages,
 }
 
-/// What the mock needs from a chat or completion request.
+/// A non-empty array of objects (`messages`, `input` items).
+fn object_list<'a>(v: Option<&'a Value>, key: &str) -> Result<&'a [Value], ApiError> {
+    match v {
+        Some(Value::Array(items)) if !items.is_empty() => {
+            if items.iter().all(Value::is_object) {
+                Ok(items)
+            } else {
+                Err(ApiError::bad_request(format!(
+                    "each item of '{key}' must be an object"
+                )))
+            }
+        }
+        Some(Value::Array(_)) => Err(ApiError::bad_request(format!("'{key}' must not be empty"))),
+        Some(_) => Err(ApiError::bad_request(format!("'{key}' must be an array"))),
+        None => Err(ApiError::bad_request(format!("'{key}' is required"))),
+    }
+}
+
+/// What the mock needs from a generation request (chat, completion, Responses, Messages).
 #[derive(Debug, Clone)]
 struct GenRequest {
     model: String,
@@ -205,33 +229,40 @@ fn prompt_like_tokens(v: &Value, key: &str) -> Result<u64, ApiError> {
 
 fn parse_gen(kind: Kind, body: &[u8], default_model: &str) -> Result<GenRequest, ApiError> {
     let o = parse_object(body)?;
+    // A system prompt (`instructions`, `system`) counts as one more message.
+    let system = |key: &str| {
+        o.get(key)
+            .filter(|v| !v.is_null())
+            .map_or(0, |v| chat_prompt_tokens(&[json!({ "content": v })]))
+    };
     let prompt_tokens = match kind {
-        Kind::Chat => match o.get("messages") {
-            Some(Value::Array(msgs)) if !msgs.is_empty() => {
-                if !msgs.iter().all(Value::is_object) {
-                    return Err(ApiError::bad_request("each message must be an object"));
-                }
-                chat_prompt_tokens(msgs)
-            }
-            Some(Value::Array(_)) => {
-                return Err(ApiError::bad_request("'messages' must not be empty"))
-            }
-            Some(_) => return Err(ApiError::bad_request("'messages' must be an array")),
-            None => return Err(ApiError::bad_request("'messages' is required")),
-        },
+        Kind::Chat => chat_prompt_tokens(object_list(o.get("messages"), "messages")?),
         Kind::Completion => match o.get("prompt") {
             Some(p) => prompt_like_tokens(p, "prompt")?,
             None => return Err(ApiError::bad_request("'prompt' is required")),
         },
+        Kind::Responses => {
+            system("instructions")
+                + match o.get("input") {
+                    Some(Value::String(s)) => chat_prompt_tokens(&[json!({ "content": s })]),
+                    input => chat_prompt_tokens(object_list(input, "input")?),
+                }
+        }
+        Kind::Messages => {
+            system("system") + chat_prompt_tokens(object_list(o.get("messages"), "messages")?)
+        }
     };
     let include_usage = match o.get("stream_options") {
         Some(Value::Object(so)) => opt_bool(so, "include_usage")?,
         None | Some(Value::Null) => false,
         Some(_) => return Err(ApiError::bad_request("'stream_options' must be an object")),
     };
-    let max_tokens = match opt_u64(&o, "max_tokens")? {
-        Some(m) => Some(m),
-        None => opt_u64(&o, "max_completion_tokens")?,
+    let max_tokens = match kind {
+        Kind::Responses => opt_u64(&o, "max_output_tokens")?,
+        _ => match opt_u64(&o, "max_tokens")? {
+            Some(m) => Some(m),
+            None => opt_u64(&o, "max_completion_tokens")?,
+        },
     };
     Ok(GenRequest {
         model: model_of(&o, default_model),
@@ -359,26 +390,171 @@ struct Shape {
     id: String,
     created: u64,
     model: String,
+    /// Prompt tokens (the Messages API's `message_start` reports them before the end).
+    prompt_tokens: u64,
 }
 
 impl Shape {
-    fn new(kind: Kind, request_no: u64, model: String) -> Self {
+    fn new(kind: Kind, request_no: u64, model: String, prompt_tokens: u64) -> Self {
         let prefix = match kind {
             Kind::Chat => "chatcmpl",
             Kind::Completion => "cmpl",
+            Kind::Responses => "resp",
+            Kind::Messages => "msg",
         };
         Self {
             kind,
             id: format!("{prefix}-mock-{request_no}"),
             created: unix_now(),
             model,
+            prompt_tokens,
         }
     }
 
     fn chunk_object(&self) -> &'static str {
         match self.kind {
             Kind::Chat => "chat.completion.chunk",
-            Kind::Completion => "text_completion",
+            _ => "text_completion",
+        }
+    }
+
+    /// The item id of the Responses API's one output message.
+    fn item_id(&self) -> String {
+        format!("msg_{}", self.id)
+    }
+
+    /// What a stream sends before the first token.
+    fn opening(&self) -> Vec<Bytes> {
+        match self.kind {
+            Kind::Chat => vec![sse(&self.chunk(
+                json!({"role": "assistant", "content": ""}),
+                "",
+                None,
+            ))],
+            Kind::Completion => Vec::new(),
+            Kind::Responses => {
+                let r = json!({"id": self.id, "object": "response", "created_at": self.created,
+                               "status": "in_progress", "model": self.model, "output": []});
+                let item = json!({"id": self.item_id(), "type": "message", "role": "assistant",
+                                  "status": "in_progress", "content": []});
+                vec![
+                    sse_event(
+                        "response.created",
+                        &json!({"type": "response.created", "response": r}),
+                    ),
+                    sse_event(
+                        "response.in_progress",
+                        &json!({"type": "response.in_progress", "response": r}),
+                    ),
+                    sse_event(
+                        "response.output_item.added",
+                        &json!({"type": "response.output_item.added",
+                        "output_index": 0, "item": item}),
+                    ),
+                    sse_event(
+                        "response.content_part.added",
+                        &json!({"type": "response.content_part.added",
+                        "item_id": self.item_id(), "output_index": 0, "content_index": 0,
+                        "part": {"type": "output_text", "text": "", "annotations": []}}),
+                    ),
+                ]
+            }
+            Kind::Messages => vec![
+                sse_event(
+                    "message_start",
+                    &json!({"type": "message_start", "message": {
+                    "id": self.id, "type": "message", "role": "assistant", "content": [],
+                    "model": self.model, "stop_reason": null, "stop_sequence": null,
+                    "usage": {"input_tokens": self.prompt_tokens, "cache_read_input_tokens": 0,
+                              "cache_creation_input_tokens": 0, "output_tokens": 1}}}),
+                ),
+                sse_event(
+                    "content_block_start",
+                    &json!({"type": "content_block_start", "index": 0,
+                    "content_block": {"type": "text", "text": ""}}),
+                ),
+                sse_event("ping", &json!({"type": "ping"})),
+            ],
+        }
+    }
+
+    /// The streamed event of token `index`.
+    fn token(&self, index: u64) -> Bytes {
+        let text = token_text(index);
+        match self.kind {
+            Kind::Chat | Kind::Completion => {
+                sse(&self.chunk(json!({ "content": text }), &text, None))
+            }
+            Kind::Responses => sse_event(
+                "response.output_text.delta",
+                &json!({
+                "type": "response.output_text.delta", "item_id": self.item_id(),
+                "output_index": 0, "content_index": 0, "delta": text}),
+            ),
+            Kind::Messages => sse_event(
+                "content_block_delta",
+                &json!({
+                "type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": text}}),
+            ),
+        }
+    }
+
+    /// What a stream sends after its last token (`include_usage` matters to chat and
+    /// completions only: the other APIs always report usage).
+    fn closing(&self, finish: &str, include_usage: bool, s: &Summary) -> Vec<Bytes> {
+        match self.kind {
+            Kind::Chat | Kind::Completion if include_usage => vec![
+                sse(&self.finish_chunk(finish, None)),
+                sse(&self.usage_chunk(s)),
+                Bytes::from_static(SSE_DONE),
+            ],
+            Kind::Chat | Kind::Completion => vec![
+                sse(&self.finish_chunk(finish, Some(timings_json(s)))),
+                Bytes::from_static(SSE_DONE),
+            ],
+            Kind::Responses => {
+                let text = output_text(s.completion_tokens);
+                let part = json!({"type": "output_text", "text": text, "annotations": []});
+                let item = json!({"id": self.item_id(), "type": "message", "role": "assistant",
+                                  "status": "completed", "content": [part]});
+                let done = self.full(text.clone(), finish, s);
+                let status = done["status"].as_str().unwrap_or("completed");
+                let kind = format!("response.{status}");
+                // llama.cpp puts its `timings` beside the final response.
+                let last = json!({"type": kind, "response": done, "timings": timings_json(s)});
+                vec![
+                    sse_event(
+                        "response.output_text.done",
+                        &json!({"type": "response.output_text.done",
+                        "item_id": self.item_id(), "output_index": 0, "content_index": 0, "text": text}),
+                    ),
+                    sse_event(
+                        "response.content_part.done",
+                        &json!({"type": "response.content_part.done",
+                        "item_id": self.item_id(), "output_index": 0, "content_index": 0, "part": part}),
+                    ),
+                    sse_event(
+                        "response.output_item.done",
+                        &json!({"type": "response.output_item.done",
+                        "output_index": 0, "item": item}),
+                    ),
+                    sse_event(&kind, &last),
+                ]
+            }
+            Kind::Messages => vec![
+                sse_event(
+                    "content_block_stop",
+                    &json!({"type": "content_block_stop", "index": 0}),
+                ),
+                sse_event(
+                    "message_delta",
+                    &json!({"type": "message_delta",
+                    "delta": {"stop_reason": anthropic_stop(finish), "stop_sequence": null},
+                    "usage": {"output_tokens": s.completion_tokens}}),
+                ),
+                sse_event("message_stop", &json!({"type": "message_stop"})),
+            ],
         }
     }
 
@@ -388,7 +564,7 @@ impl Shape {
             Kind::Chat => json!({
                 "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish,
             }),
-            Kind::Completion => json!({
+            _ => json!({
                 "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
             }),
         };
@@ -399,17 +575,6 @@ impl Shape {
             "model": self.model,
             "choices": [choice],
         })
-    }
-
-    /// The chat role chunk; completions have none.
-    fn role_chunk(&self) -> Option<Value> {
-        (self.kind == Kind::Chat)
-            .then(|| self.chunk(json!({"role": "assistant", "content": ""}), "", None))
-    }
-
-    fn token_chunk(&self, index: u64) -> Value {
-        let text = token_text(index);
-        self.chunk(json!({ "content": text }), &text, None)
     }
 
     fn finish_chunk(&self, finish: &str, timings: Option<Value>) -> Value {
@@ -433,7 +598,34 @@ impl Shape {
     }
 
     fn full(&self, text: String, finish: &str, s: &Summary) -> Value {
+        let (prompt, completion) = (s.prompt_tokens, s.completion_tokens);
         let (object, choice) = match self.kind {
+            Kind::Responses => {
+                let length = finish == "length";
+                return json!({
+                    "id": self.id, "object": "response", "created_at": self.created,
+                    "model": self.model,
+                    "status": if length { "incomplete" } else { "completed" },
+                    "incomplete_details": if length { json!({"reason": "max_output_tokens"}) } else { Value::Null },
+                    "error": null,
+                    "output": [{"id": self.item_id(), "type": "message", "role": "assistant",
+                        "status": "completed",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+                    "usage": {"input_tokens": prompt, "output_tokens": completion,
+                        "total_tokens": prompt + completion,
+                        "input_tokens_details": {"cached_tokens": 0},
+                        "output_tokens_details": {"reasoning_tokens": 0}},
+                });
+            }
+            Kind::Messages => {
+                return json!({
+                    "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                    "content": [{"type": "text", "text": text}],
+                    "stop_reason": anthropic_stop(finish), "stop_sequence": null,
+                    "usage": {"input_tokens": prompt, "cache_read_input_tokens": 0,
+                        "cache_creation_input_tokens": 0, "output_tokens": completion},
+                });
+            }
             Kind::Chat => (
                 "chat.completion",
                 json!({
@@ -464,6 +656,25 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
+/// An SSE event with an `event:` line (the Responses and Messages APIs name every event).
+fn sse_event(name: &str, v: &Value) -> Bytes {
+    Bytes::from(format!("event: {name}\ndata: {v}\n\n"))
+}
+
+/// The whole output text of `n` tokens.
+fn output_text(n: u64) -> String {
+    (0..n).map(token_text).collect()
+}
+
+/// An Anthropic stop reason for the mock's finish reason.
+fn anthropic_stop(finish: &str) -> &'static str {
+    if finish == "length" {
+        "max_tokens"
+    } else {
+        "end_turn"
+    }
+}
+
 const SSE_DONE: &[u8] = b"data: [DONE]\n\n";
 
 fn event_stream(body: Body) -> Response {
@@ -488,6 +699,14 @@ async fn completions(State(app): State<App>, headers: HeaderMap, body: Bytes) ->
     generate(app, Kind::Completion, headers, body).await
 }
 
+async fn responses(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(app, Kind::Responses, headers, body).await
+}
+
+async fn messages(State(app): State<App>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(app, Kind::Messages, headers, body).await
+}
+
 async fn generate(app: App, kind: Kind, headers: HeaderMap, body: Bytes) -> Response {
     match generate_inner(&app, kind, &headers, &body).await {
         Ok(r) => r,
@@ -506,7 +725,7 @@ async fn generate_inner(
     let cfg = &app.0.cfg;
     let req = parse_gen(kind, body, &cfg.model)?;
     let request_no = app.0.next_request.fetch_add(1, Ordering::Relaxed);
-    let shape = Shape::new(kind, request_no, req.model.clone());
+    let shape = Shape::new(kind, request_no, req.model.clone(), req.prompt_tokens);
     if let Some(f) = fault {
         return Ok(fault_response(app, f, Some(&shape)).await);
     }
@@ -525,7 +744,7 @@ async fn generate_inner(
             tokenscope_sdk::FinishReason::Stop
         },
         request_type: match kind {
-            Kind::Chat => "chat",
+            Kind::Chat | Kind::Responses | Kind::Messages => "chat",
             Kind::Completion => "completion",
         },
     };
@@ -580,10 +799,7 @@ fn stream_response(
     include_usage: bool,
     rx: mpsc::Receiver<Event>,
 ) -> Response {
-    let mut ready = VecDeque::new();
-    if let Some(role) = shape.role_chunk() {
-        ready.push_back(sse(&role));
-    }
+    let ready: VecDeque<Bytes> = shape.opening().into();
     let state = StreamState {
         rx,
         shape,
@@ -603,22 +819,14 @@ fn stream_response(
             }
             match st.rx.recv().await {
                 Some(Event::Token { index }) => {
-                    st.ready.push_back(sse(&st.shape.token_chunk(index)));
+                    st.ready.push_back(st.shape.token(index));
                 }
                 Some(Event::Finished(s)) => {
                     st.done = true;
-                    if st.include_usage {
-                        st.ready
-                            .push_back(sse(&st.shape.finish_chunk(st.finish, None)));
-                        st.ready.push_back(sse(&st.shape.usage_chunk(&s)));
-                    } else {
-                        let t = Some(timings_json(&s));
-                        st.ready
-                            .push_back(sse(&st.shape.finish_chunk(st.finish, t)));
-                    }
-                    st.ready.push_back(Bytes::from_static(SSE_DONE));
+                    st.ready
+                        .extend(st.shape.closing(st.finish, st.include_usage, &s));
                 }
-                // The engine went away: end the stream without [DONE].
+                // The engine went away: end the stream without its closing events.
                 None => st.done = true,
             }
         }
@@ -698,13 +906,10 @@ async fn fault_response(app: &App, fault: Fault, shape: Option<&Shape>) -> Respo
             };
             let cfg = &app.0.cfg;
             let step = scaled(cfg.decode_base_ms, cfg.time_scale);
-            let mut steps = Vec::new();
-            if let Some(role) = shape.role_chunk() {
-                steps.push(Step::Send(sse(&role)));
-            }
+            let mut steps: Vec<Step> = shape.opening().into_iter().map(Step::Send).collect();
             for i in 0..FAULT_TOKENS {
                 steps.push(Step::Sleep(step));
-                steps.push(Step::Send(sse(&shape.token_chunk(i))));
+                steps.push(Step::Send(shape.token(i)));
             }
             match fault {
                 Fault::MalformedSse => {

@@ -2,7 +2,8 @@
 //!
 //! A simulated, OpenAI-compatible inference engine for tests, demos and load. It speaks the same
 //! HTTP shapes as llama.cpp / vLLM servers (`/v1/chat/completions`, `/v1/completions`,
-//! `/v1/embeddings`, `/v1/models`, `/health`, `/metrics`, `/tokenize`) and produces *plausible,
+//! `/v1/embeddings`, the OpenAI Responses API `/v1/responses`, the Anthropic Messages API
+//! `/v1/messages`, `/v1/models`, `/health`, `/metrics`, `/tokenize`) and produces *plausible,
 //! per-request* latencies from a small continuous-batching model, so a gateway in front of it sees
 //! queueing, prefill and decode phases that differ from request to request.
 //!
@@ -83,6 +84,17 @@
 //! `"choices": []`, `usage` and `timings`, then `data: [DONE]`. Without `include_usage` the
 //! `timings` ride on the `finish_reason` chunk, like llama.cpp. `/v1/completions` streams
 //! `text_completion` chunks (choices carry `text`) and has no role chunk.
+//!
+//! `/v1/responses` (`input`: a string or message items, `instructions`, `max_output_tokens`) and
+//! `/v1/messages` (`messages`, `system`, `max_tokens`) count their prompt like chat (the system
+//! prompt is one more message). Their streams name every event (`event:` line) as llama.cpp does:
+//! `response.created`, `response.in_progress`, `response.output_item.added`,
+//! `response.content_part.added`, one `response.output_text.delta` per token, the `….done`
+//! events and `response.completed` (`response.incomplete` at the limit) with the usage and,
+//! beside the response, llama.cpp-style `timings`; `message_start` (input usage, output 1),
+//! `content_block_start`, `ping`, one `content_block_delta` per token, `content_block_stop`,
+//! `message_delta` (`stop_reason` `end_turn` / `max_tokens`, output usage), `message_stop`.
+//! No `[DONE]`; cache counts are 0. Their bodies are the API's response objects.
 //!
 //! ## Fault injection
 //!

@@ -923,3 +923,123 @@ async fn sdk_records_and_otlp_spans_match_the_timings() {
     }
     srv.stop().await;
 }
+
+/// The `(event, data)` pairs of a stream whose events are named (Responses, Messages APIs).
+fn named_events(body: &str) -> Vec<(String, Value)> {
+    assert!(body.ends_with("\n\n"), "{body:?}");
+    body.split_terminator("\n\n")
+        .map(|e| {
+            let (name, data) = e
+                .strip_prefix("event: ")
+                .and_then(|e| e.split_once("\ndata: "))
+                .unwrap_or_else(|| panic!("an event: line and a data: line: {e:?}"));
+            let v = parse(data);
+            assert_eq!(v["type"], name, "the data's type is the event's name");
+            (name.to_owned(), v)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn responses_api_stream_and_body() {
+    let srv = Server::start(fast()).await;
+    let c = client();
+    let url = srv.url("/v1/responses");
+    let body = json!({"model": "test-model", "instructions": "be brief",
+                      "input": "hello mock engine", "stream": true, "mock_output_tokens": 3});
+    let ev = named_events(&text(post(&c, &url, &body, &[]).await).await);
+    let names: Vec<&str> = ev.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    for (i, (_, v)) in ev[4..7].iter().enumerate() {
+        assert_eq!(v["delta"], format!("tok{i} "));
+    }
+    // 4 + "be"(1) "brief"(2) for the instructions, then the input as a message.
+    let prompt = 4 + 1 + 2 + CHAT_PROMPT_TOKENS;
+    let done = &ev[10].1;
+    assert_eq!(done["response"]["status"], "completed");
+    assert_eq!(done["response"]["usage"]["input_tokens"], prompt, "{done}");
+    assert_eq!(done["response"]["usage"]["output_tokens"], 3);
+    assert_eq!(done["response"]["model"], "test-model");
+    assert_timings(&done["timings"], prompt, 3);
+    assert_eq!(
+        done["response"]["output"][0]["content"][0]["text"],
+        "tok0 tok1 tok2 "
+    );
+
+    // Not streamed, cut by `max_output_tokens`: `incomplete`.
+    let body = json!({"model": "test-model", "input": [{"role": "user", "content": "hello mock engine"}],
+                      "mock_output_tokens": 5, "max_output_tokens": 2});
+    let v = json_body(post(&c, &url, &body, &[]).await).await;
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["status"], "incomplete");
+    assert_eq!(v["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(v["output"][0]["content"][0]["text"], "tok0 tok1 ");
+    assert_eq!(v["usage"]["input_tokens"], CHAT_PROMPT_TOKENS);
+    assert_eq!(v["usage"]["output_tokens"], 2);
+    let bad = post(&c, &url, &json!({"model": "m", "input": 3}), &[]).await;
+    assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+    srv.stop().await;
+}
+
+#[tokio::test]
+async fn messages_api_stream_and_body() {
+    let srv = Server::start(fast()).await;
+    let c = client();
+    let url = srv.url("/v1/messages");
+    let body = chat_body(4, json!({"stream": true, "max_tokens": 3}));
+    let ev = named_events(&text(post(&c, &url, &body, &[]).await).await);
+    let names: Vec<&str> = ev.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "ping",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        ]
+    );
+    let usage = &ev[0].1["message"]["usage"];
+    assert_eq!(usage["input_tokens"], CHAT_PROMPT_TOKENS);
+    assert_eq!(usage["cache_read_input_tokens"], 0);
+    for (i, (_, v)) in ev[3..6].iter().enumerate() {
+        assert_eq!(
+            v["delta"],
+            json!({"type": "text_delta", "text": format!("tok{i} ")})
+        );
+    }
+    assert_eq!(ev[7].1["delta"]["stop_reason"], "max_tokens");
+    assert_eq!(ev[7].1["usage"]["output_tokens"], 3);
+
+    // Not streamed, with a system prompt: 4 + "be"(1) "brief"(2) more input tokens.
+    let body = chat_body(2, json!({"system": "be brief", "max_tokens": 8}));
+    let v = json_body(post(&c, &url, &body, &[]).await).await;
+    assert_eq!(v["type"], "message");
+    assert_eq!(
+        v["content"],
+        json!([{"type": "text", "text": "tok0 tok1 "}])
+    );
+    assert_eq!(v["stop_reason"], "end_turn");
+    assert_eq!(v["usage"]["input_tokens"], CHAT_PROMPT_TOKENS + 4 + 1 + 2);
+    assert_eq!(v["usage"]["output_tokens"], 2);
+    srv.stop().await;
+}

@@ -613,7 +613,7 @@ pub fn filter_value(dim: Dimension, raw: &str) -> Result<FilterValue, StoreError
             .ok_or_else(|| bad("0-128, 128-512, 512-2048 or 2048+")),
         Dimension::Endpoint => parse_endpoint(raw)
             .map(|e| FilterValue::Text(e.as_str().to_owned()))
-            .ok_or_else(|| bad("chat_completions, completions or embeddings")),
+            .ok_or_else(|| bad("chat_completions, completions, embeddings, responses or messages")),
         Dimension::KvUsageBand | Dimension::GpuBand => {
             let i = KV_BANDS
                 .iter()

@@ -161,6 +161,14 @@ impl Engine {
         let work = async {
             match endpoint {
                 Endpoint::ChatCompletions => self.count_chat(model, body).await,
+                Endpoint::Responses | Endpoint::Messages => {
+                    match request::chat_body(endpoint, body)? {
+                        Some(chat) => self.count_chat(model, &chat).await,
+                        None => Err(TokenizeError::NoPrompt {
+                            endpoint: endpoint.as_str(),
+                        }),
+                    }
+                }
                 Endpoint::Completions | Endpoint::Embeddings => {
                     let prompts = request::prompts(endpoint, body)?;
                     check_len(prompts.bytes(), MAX_COUNT_BYTES)?;

@@ -269,5 +269,11 @@ fn local_job(endpoint: Endpoint, body: &Value) -> Result<LocalJob, TokenizeError
                 fixed: prompts.pre_tokenized,
             })
         }
+        Endpoint::Responses | Endpoint::Messages => match request::chat_body(endpoint, body)? {
+            Some(chat) => local_job(Endpoint::ChatCompletions, &chat),
+            None => Err(TokenizeError::NoPrompt {
+                endpoint: endpoint.as_str(),
+            }),
+        },
     }
 }

@@ -83,7 +83,7 @@ fn f(key: &str, v: f64) -> KeyValue {
 /// `gen_ai.operation.name` of an endpoint.
 pub fn operation_name(e: Endpoint) -> &'static str {
     match e {
-        Endpoint::ChatCompletions => "chat",
+        Endpoint::ChatCompletions | Endpoint::Responses | Endpoint::Messages => "chat",
         Endpoint::Completions => "text_completion",
         Endpoint::Embeddings => "embeddings",
     }
@@ -152,7 +152,11 @@ pub fn build_spans(rec: &RequestRecord, input: &SpanInput<'_>) -> Vec<Span> {
         | u32::from(trace.flags);
     root.start_time_unix_nano = at(rec, 0.0);
     root.end_time_unix_nano = at(rec, end_ms);
-    let provider = rec.engine.as_deref().unwrap_or("openai");
+    // The engine that served the request; unknown, the API's owner.
+    let provider = rec.engine.as_deref().unwrap_or(match rec.endpoint {
+        Endpoint::Messages => "anthropic",
+        _ => "openai",
+    });
     let mut a = vec![
         s("gen_ai.operation.name", op),
         s("gen_ai.provider.name", provider),
@@ -177,6 +181,9 @@ pub fn build_spans(rec: &RequestRecord, input: &SpanInput<'_>) -> Vec<Span> {
     }
     if let Some(n) = rec.cached_tokens {
         a.push(i("gen_ai.usage.cache_read.input_tokens", n));
+    }
+    if let Some(n) = rec.cache_creation_tokens {
+        a.push(i("gen_ai.usage.cache_creation.input_tokens", n));
     }
     if let Some(n) = rec.reasoning_tokens {
         a.push(i("gen_ai.usage.reasoning.output_tokens", n));
@@ -522,6 +529,50 @@ mod tests {
         assert_eq!(
             attr(&spans[0], "error.type"),
             Some(&Value::StringValue("body_too_large".into()))
+        );
+    }
+
+    /// The Responses and Messages APIs are `chat` operations; an Anthropic call whose engine is
+    /// unknown names Anthropic as the provider; cache writes have their attribute.
+    #[test]
+    fn responses_and_messages_spans() {
+        assert_eq!(operation_name(Endpoint::Responses), "chat");
+        assert_eq!(operation_name(Endpoint::Messages), "chat");
+        let trace = RequestTrace::start(None);
+        let input = SpanInput {
+            trace: &trace,
+            times: SpanTimes::default(),
+            user_bucket: "u07",
+            server: None,
+            reason: KeepReason::Ratio,
+            response_id: None,
+        };
+        let mut rec = record();
+        rec.endpoint = Endpoint::Messages;
+        rec.engine = None;
+        rec.cache_creation_tokens = Some(20);
+        let spans = build_spans(&rec, &input);
+        assert_eq!(spans[0].name, "chat llama");
+        assert_eq!(
+            attr(&spans[0], "gen_ai.provider.name"),
+            Some(&Value::StringValue("anthropic".into()))
+        );
+        assert_eq!(
+            attr(&spans[0], "gen_ai.usage.cache_creation.input_tokens"),
+            Some(&Value::IntValue(20))
+        );
+        rec.endpoint = Endpoint::Responses;
+        let spans = build_spans(&rec, &input);
+        assert_eq!(
+            attr(&spans[0], "gen_ai.provider.name"),
+            Some(&Value::StringValue("openai".into()))
+        );
+        rec.engine = Some("llamacpp".into());
+        rec.endpoint = Endpoint::Messages;
+        let spans = build_spans(&rec, &input);
+        assert_eq!(
+            attr(&spans[0], "gen_ai.provider.name"),
+            Some(&Value::StringValue("llamacpp".into()))
         );
     }
 }

@@ -33,18 +33,24 @@ use stats::{LevelSummary, RequestResult};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokenscope_core::openai::parse_payload;
+use tokenscope_core::messages::MessagesUsage;
+use tokenscope_core::openai::parse_payload_for;
 use tokenscope_core::sse::{parse_event, EventSplitter};
+use tokenscope_core::Endpoint;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// `tokenscope bench` options.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Base URL of the endpoint (e.g. http://127.0.0.1:4000); `/v1/chat/completions` is
-    /// appended unless the URL already ends in a path.
+    /// Base URL of the endpoint (e.g. http://127.0.0.1:4000); the `--endpoint`'s path
+    /// (`/v1/chat/completions`, …) is appended unless the URL already ends in a path.
     #[arg(long)]
     pub target: String,
+    /// The API the requests speak: chat completions, the OpenAI Responses API
+    /// (`/v1/responses`) or the Anthropic Messages API (`/v1/messages`).
+    #[arg(long, value_enum, default_value_t)]
+    pub endpoint: BenchEndpoint,
     /// Offered rates, requests/s, one level each (e.g. 2,4,8).
     #[arg(long, value_delimiter = ',', required = true)]
     pub rates: Vec<f64>,
@@ -93,6 +99,67 @@ pub struct BenchArgs {
     pub format: crate::args::BenchFormat,
 }
 
+/// The API `tokenscope bench` speaks.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BenchEndpoint {
+    /// `/v1/chat/completions` (`stream_options.include_usage` asked for when streaming).
+    #[default]
+    Chat,
+    /// `/v1/responses` (`input`, `max_output_tokens`).
+    Responses,
+    /// `/v1/messages` (`messages`, `max_tokens`).
+    Messages,
+}
+
+impl BenchEndpoint {
+    fn endpoint(self) -> Endpoint {
+        match self {
+            BenchEndpoint::Chat => Endpoint::ChatCompletions,
+            BenchEndpoint::Responses => Endpoint::Responses,
+            BenchEndpoint::Messages => Endpoint::Messages,
+        }
+    }
+
+    fn path(self) -> &'static str {
+        match self {
+            BenchEndpoint::Chat => "/v1/chat/completions",
+            BenchEndpoint::Responses => "/v1/responses",
+            BenchEndpoint::Messages => "/v1/messages",
+        }
+    }
+
+    /// One request's body in this API.
+    fn body(
+        self,
+        model: &str,
+        prompt: &str,
+        stream: bool,
+        max_tokens: Option<u64>,
+    ) -> serde_json::Value {
+        let mut body = match self {
+            BenchEndpoint::Chat | BenchEndpoint::Messages => serde_json::json!({
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "stream": stream,
+            }),
+            BenchEndpoint::Responses => serde_json::json!({
+                "model": model, "input": prompt, "stream": stream,
+            }),
+        };
+        if stream && self == BenchEndpoint::Chat {
+            body["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        if let Some(m) = max_tokens {
+            let key = match self {
+                BenchEndpoint::Responses => "max_output_tokens",
+                _ => "max_tokens",
+            };
+            body[key] = m.into();
+        }
+        body
+    }
+}
+
 /// What a run needs, parsed.
 struct Plan {
     url: http::Uri,
@@ -107,9 +174,9 @@ struct Plan {
     json: bool,
 }
 
-/// `(base URL, request URL)`: a target without a path gets `/v1/chat/completions`; a target
-/// with one is used as is, its scheme + authority being the base (for `/v1/models`).
-fn split_target(target: &str) -> (String, String) {
+/// `(base URL, request URL)`: a target without a path gets `path`; a target with one is used
+/// as is, its scheme + authority being the base (for `/v1/models`).
+fn split_target(target: &str, path: &str) -> (String, String) {
     let target = target.trim_end_matches('/');
     let after_scheme = target.split_once("://").map_or(target, |(_, r)| r);
     match after_scheme.find('/') {
@@ -117,12 +184,12 @@ fn split_target(target: &str) -> (String, String) {
             let cut = target.len() - after_scheme.len() + p;
             (target[..cut].to_owned(), target.to_owned())
         }
-        None => (target.to_owned(), format!("{target}/v1/chat/completions")),
+        None => (target.to_owned(), format!("{target}{path}")),
     }
 }
 
 fn parse_plan(a: &BenchArgs) -> Result<Plan> {
-    let (base, url) = split_target(&a.target);
+    let (base, url) = split_target(&a.target, a.endpoint.path());
     let url: http::Uri = url
         .parse()
         .with_context(|| format!("--target {:?}", a.target))?;
@@ -285,25 +352,26 @@ async fn run_level(
             });
             continue;
         }
-        let mut body = serde_json::json!({
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "stream": args.stream,
-        });
-        if args.stream {
-            body["stream_options"] = serde_json::json!({"include_usage": true});
-        }
-        if let Some(m) = args.max_tokens {
-            body["max_tokens"] = m.into();
-        }
+        let mut body = args
+            .endpoint
+            .body(model, &prompt, args.stream, args.max_tokens);
         if let Some(n) = args.output_tokens {
             body[tokenscope_mock::OUTPUT_TOKENS_FIELD] = n.into();
         }
         in_flight.fetch_add(1, Ordering::SeqCst);
         let (client, uri, timeout) = (client.clone(), plan.url.clone(), plan.timeout);
         let (inf, bar) = (in_flight.clone(), bar.clone());
+        let endpoint = args.endpoint.endpoint();
         tasks.push(tokio::spawn(async move {
-            let mut r = one_request(&client, uri, body.to_string(), &request_id, timeout).await;
+            let mut r = one_request(
+                &client,
+                endpoint,
+                uri,
+                body.to_string(),
+                &request_id,
+                timeout,
+            )
+            .await;
             r.request_id = request_id;
             r.prompt_tokens = prompt_tokens;
             r.done_after = Some(start_std.elapsed());
@@ -328,13 +396,14 @@ async fn run_level(
 /// Sends one request and times it (failures give `ok = false`).
 async fn one_request(
     client: &HttpClient,
+    endpoint: Endpoint,
     uri: http::Uri,
     body: String,
     request_id: &str,
     timeout: Duration,
 ) -> RequestResult {
     let sent = Instant::now();
-    let fut = timed_request(client, uri, body, request_id, sent);
+    let fut = timed_request(client, endpoint, uri, body, request_id, sent);
     // A timeout is a failed request (ok = false).
     tokio::time::timeout(timeout, fut)
         .await
@@ -346,6 +415,7 @@ async fn one_request(
 
 async fn timed_request(
     client: &HttpClient,
+    endpoint: Endpoint,
     uri: http::Uri,
     body: String,
     request_id: &str,
@@ -380,6 +450,8 @@ async fn timed_request(
     let mut splitter = EventSplitter::new(1 << 24);
     let mut outputs: Vec<Instant> = Vec::new();
     let mut usage_tokens: Option<u64> = None;
+    // The Messages API's usage, merged over its events.
+    let mut messages_usage = MessagesUsage::default();
     let mut error_event = false;
     let mut whole = Vec::new();
     let mut on_event = |raw: Bytes, at: Instant, outputs: &mut Vec<Instant>| {
@@ -388,11 +460,18 @@ async fn timed_request(
         if data.trim() == "[DONE]" {
             return;
         }
-        if let Ok(p) = parse_payload(data.as_bytes()) {
+        if let Ok(p) = parse_payload_for(endpoint, data.as_bytes()) {
             if p.has_output {
                 outputs.push(at);
             }
-            if let Some(n) = p.usage.and_then(|u| u.completion_tokens) {
+            if let Some(u) = &p.messages_usage {
+                messages_usage.merge(u);
+            }
+            if let Some(n) = p
+                .usage
+                .and_then(|u| u.completion_tokens)
+                .or(messages_usage.output_tokens)
+            {
                 usage_tokens = Some(n);
             }
             error_event |= p.is_error;
@@ -422,12 +501,15 @@ async fn timed_request(
         if let Some(rest) = splitter.finish() {
             on_event(rest, end, &mut outputs);
         }
-    } else if let Ok(p) = parse_payload(&whole) {
+    } else if let Ok(p) = parse_payload_for(endpoint, &whole) {
         // Non-streamed: the output arrives with the body.
         if p.has_output {
             outputs.push(end);
         }
-        usage_tokens = p.usage.and_then(|u| u.completion_tokens);
+        usage_tokens = p
+            .usage
+            .or(p.messages_usage.map(|u| u.to_usage()))
+            .and_then(|u| u.completion_tokens);
         error_event |= p.is_error;
     }
     let ms = |t: Instant| tokenscope_core::timing::ms(t.duration_since(sent));
@@ -520,21 +602,43 @@ fn render_table(
 
 #[cfg(test)]
 mod tests {
-    use super::split_target;
+    use super::{split_target, BenchEndpoint};
+    use serde_json::json;
 
     #[test]
     fn target_urls() {
         let own = |a: &str, b: &str| (a.to_owned(), b.to_owned());
         assert_eq!(
-            split_target("http://127.0.0.1:4000/"),
+            split_target("http://127.0.0.1:4000/", BenchEndpoint::Chat.path()),
             own(
                 "http://127.0.0.1:4000",
                 "http://127.0.0.1:4000/v1/chat/completions"
             )
         );
         assert_eq!(
-            split_target("http://h:8000/v1/chat/completions"),
+            split_target("http://h:8000/v1/chat/completions", "/v1/messages"),
             own("http://h:8000", "http://h:8000/v1/chat/completions")
+        );
+        assert_eq!(
+            split_target("http://h:8000", BenchEndpoint::Responses.path()),
+            own("http://h:8000", "http://h:8000/v1/responses")
+        );
+    }
+
+    #[test]
+    fn bodies_per_api() {
+        assert_eq!(
+            BenchEndpoint::Chat.body("m", "hi", true, Some(5)),
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true,
+                   "stream_options": {"include_usage": true}, "max_tokens": 5})
+        );
+        assert_eq!(
+            BenchEndpoint::Responses.body("m", "hi", true, Some(5)),
+            json!({"model": "m", "input": "hi", "stream": true, "max_output_tokens": 5})
+        );
+        assert_eq!(
+            BenchEndpoint::Messages.body("m", "hi", false, None),
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": false})
         );
     }
 }

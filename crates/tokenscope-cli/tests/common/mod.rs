@@ -264,9 +264,21 @@ pub struct ClientEvent {
 }
 
 impl ClientEvent {
-    /// Carries output text (content / text / reasoning).
+    /// Carries output text (content / text / reasoning), by each API's own rules: chat and
+    /// completions choices; a non-empty Responses API `response.….delta`; a non-empty Messages
+    /// API `text_delta` / `thinking_delta` / `input_json_delta`.
     pub fn has_output(&self) -> bool {
         let Some(j) = &self.json else { return false };
+        let non_empty = |v: &serde_json::Value| v.as_str().is_some_and(|s| !s.is_empty());
+        let kind = j["type"].as_str().unwrap_or("");
+        if kind.starts_with("response.") && kind.ends_with(".delta") {
+            return non_empty(&j["delta"]);
+        }
+        if kind == "content_block_delta" {
+            return ["text", "thinking", "partial_json"]
+                .iter()
+                .any(|k| non_empty(&j["delta"][k]));
+        }
         j["choices"].as_array().is_some_and(|cs| {
             cs.iter().any(|c| {
                 ["content", "reasoning_content"]

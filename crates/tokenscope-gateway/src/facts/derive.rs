@@ -1,7 +1,8 @@
 //! The record's measured fields, derived from [`ResponseFacts`]: a pure function.
 //!
 //! Rules (each stated once, here):
-//! * Input tokens: `usage` > engine (llama.cpp `timings.prompt_n + cache_n`, TGI
+//! * Input tokens: `usage` (in the chat meaning, every prompt token: the Messages API's
+//!   `input_tokens` plus its cache reads and writes) > engine (llama.cpp `timings.prompt_n + cache_n`, TGI
 //!   `x-prompt-tokens`) > entry estimate > none. The entry tokenizer count, when it arrives
 //!   later, replaces only an estimate (see [`crate::finished`]).
 //! * Output tokens: `usage` > engine (`timings.predicted_n`, TGI `x-generated-tokens`) >
@@ -84,6 +85,7 @@ pub(crate) fn derive(
         (None, TokenSource::None)
     };
     rec.cached_tokens = usage.cached_tokens().or(timings.cache_n);
+    rec.cache_creation_tokens = usage.cache_creation_tokens;
     rec.reasoning_tokens = usage.reasoning_tokens();
     rec.input_bucket = rec.input_tokens.map(InputBucket::of);
     if rec.stream {
@@ -526,7 +528,7 @@ mod tests {
     fn derivation_table() {
         for row in rows() {
             let t0 = Instant::now();
-            let mut f = ResponseFacts::new(t0);
+            let mut f = ResponseFacts::new(t0, row.endpoint);
             (row.facts)(&mut f, t0);
             let mut rec = RequestRecord {
                 endpoint: row.endpoint,
@@ -571,7 +573,7 @@ mod tests {
     #[test]
     fn stream_timings() {
         let t0 = Instant::now();
-        let mut f = ResponseFacts::new(t0);
+        let mut f = ResponseFacts::new(t0, Endpoint::ChatCompletions);
         f.set_stream(true);
         f.body_received(at(t0, 2));
         f.upstream_sent(at(t0, 3));
@@ -684,7 +686,7 @@ mod tests {
         ];
         for (name, facts, queue, prefill, decode) in rows {
             let t0 = Instant::now();
-            let mut f = ResponseFacts::new(t0);
+            let mut f = ResponseFacts::new(t0, Endpoint::ChatCompletions);
             facts(&mut f, t0);
             let mut rec = RequestRecord::default();
             derive(&mut rec, &f, None, at(t0, 100), None);
@@ -709,7 +711,7 @@ mod tests {
     #[test]
     fn absorbing_events() {
         let t0 = Instant::now();
-        let mut f = ResponseFacts::new(t0);
+        let mut f = ResponseFacts::new(t0, Endpoint::ChatCompletions);
         f.set_stream(true);
         f.keep_output_text();
         let chunk = br#"data: {"model":"served","choices":[{"delta":{"content":"hi"}}]}"#;
@@ -734,5 +736,206 @@ mod tests {
         assert_eq!(rec.input_tokens, Some(3));
         assert_eq!(rec.output_tokens, Some(1));
         assert_eq!(rec.outcome, Outcome::UpstreamError);
+    }
+
+    /// Feeds `events` (raw SSE, one per line, `at` ms after arrival) to fresh facts for a
+    /// stream to `endpoint` answered 200, and derives the record at 100 ms.
+    fn streamed(endpoint: Endpoint, events: &[(u64, &str)]) -> (RequestRecord, ResponseFacts) {
+        let t0 = Instant::now();
+        let mut f = ResponseFacts::new(t0, endpoint);
+        f.set_stream(true);
+        f.keep_output_text();
+        f.headers(at(t0, 5), 200, &http::HeaderMap::new());
+        for (ms, ev) in events {
+            assert!(!f.absorb_event(ev.as_bytes(), at(t0, *ms), false));
+        }
+        let mut rec = RequestRecord {
+            endpoint,
+            stream: true,
+            ..RequestRecord::default()
+        };
+        derive(&mut rec, &f, Some(3), at(t0, 100), None);
+        (rec, f)
+    }
+
+    #[test]
+    fn responses_api_stream() {
+        let (rec, mut f) = streamed(
+            Endpoint::Responses,
+            &[
+                (6, "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\",\"status\":\"in_progress\"}}\n\n"),
+                (7, "event: response.output_item.added\ndata: {\"type\":\"response.output_item.added\",\"item\":{\"type\":\"message\",\"content\":[]}}\n\n"),
+                (20, "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"Hel\"}\n\n"),
+                (30, "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"lo\"}\n\n"),
+                (50, "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"!\"}\n\n"),
+                (51, "event: response.output_text.done\ndata: {\"type\":\"response.output_text.done\",\"text\":\"Hello!\"}\n\n"),
+                (52, "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"status\":\"completed\",\"model\":\"served\",\"output\":[{\"type\":\"message\",\"content\":[{\"type\":\"output_text\",\"text\":\"Hello!\"}]}],\"usage\":{\"input_tokens\":26,\"output_tokens\":3,\"total_tokens\":29,\"input_tokens_details\":{\"cached_tokens\":21}}},\"timings\":{\"cache_n\":21,\"prompt_n\":5,\"prompt_ms\":12.5,\"predicted_n\":3,\"predicted_ms\":30.0}}\n\n"),
+            ],
+        );
+        assert_eq!(
+            (rec.outcome, rec.error_type.as_deref()),
+            (Outcome::Ok, None)
+        );
+        assert_eq!(
+            (rec.input_tokens, rec.input_tokens_source),
+            (Some(26), TokenSource::Usage)
+        );
+        assert_eq!(
+            (rec.output_tokens, rec.output_tokens_source),
+            (Some(3), TokenSource::Usage)
+        );
+        assert_eq!(
+            (rec.cached_tokens, rec.cache_creation_tokens),
+            (Some(21), None)
+        );
+        assert_eq!(rec.ttft_ms, Some(20.0));
+        assert_eq!(rec.tpot_ms, Some(15.0), "(50 − 20) / (3 − 1)");
+        assert_eq!(rec.chunks, Some(3));
+        assert_eq!(rec.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(rec.model_served.as_deref(), Some("served"));
+        assert_eq!(rec.engine.as_deref(), Some("llamacpp"));
+        assert_eq!(rec.prefill_duration_ms, Some(12.5));
+        assert_eq!(rec.decode_duration_ms, Some(30.0));
+        assert_eq!(f.take_output_text().as_deref(), Some("Hello!"));
+        assert_eq!(f.take_response_id().as_deref(), Some("resp_1"));
+    }
+
+    #[test]
+    fn messages_api_stream_merges_usage_and_counts_cache_tokens() {
+        let (rec, mut f) = streamed(
+            Endpoint::Messages,
+            &[
+                (6, "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"model\":\"claude\",\"usage\":{\"input_tokens\":5,\"cache_read_input_tokens\":21,\"cache_creation_input_tokens\":4,\"output_tokens\":1}}}\n\n"),
+                (7, "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"thinking\",\"thinking\":\"\"}}\n\n"),
+                (8, "event: ping\ndata: {\"type\": \"ping\"}\n\n"),
+                (20, "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"thinking_delta\",\"thinking\":\"Hm\"}}\n\n"),
+                (25, "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"signature_delta\",\"signature\":\"x\"}}\n\n"),
+                (40, "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n"),
+                (41, "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":2}}\n\n"),
+                (42, "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"),
+            ],
+        );
+        assert_eq!(rec.outcome, Outcome::Ok);
+        // Every prompt token: 5 uncached + 21 read + 4 written.
+        assert_eq!(
+            (rec.input_tokens, rec.input_tokens_source),
+            (Some(30), TokenSource::Usage)
+        );
+        assert_eq!(rec.input_bucket, Some(InputBucket::of(30)));
+        assert_eq!(
+            (rec.output_tokens, rec.output_tokens_source),
+            (Some(2), TokenSource::Usage)
+        );
+        assert_eq!(
+            (rec.cached_tokens, rec.cache_creation_tokens),
+            (Some(21), Some(4))
+        );
+        // The first thinking delta is the first token; the signature is none.
+        assert_eq!(rec.ttft_ms, Some(20.0));
+        assert_eq!(rec.chunks, Some(2));
+        assert_eq!(rec.tpot_ms, Some(20.0));
+        assert_eq!(rec.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(rec.model_served.as_deref(), Some("claude"));
+        assert_eq!(f.take_output_text().as_deref(), Some("HmHi"));
+        assert_eq!(f.take_response_id().as_deref(), Some("msg_1"));
+    }
+
+    #[test]
+    fn error_events_and_usage_less_streams() {
+        // Anthropic `error` event mid-stream: an upstream error with what was seen (the
+        // start's placeholder output count is no count).
+        let (rec, _) = streamed(
+            Endpoint::Messages,
+            &[
+                (5, "data: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":7,\"output_tokens\":1}}}\n\n"),
+                (10, "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n"),
+                (20, "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n"),
+            ],
+        );
+        assert_eq!(
+            (rec.outcome, rec.error_type.as_deref()),
+            (Outcome::UpstreamError, Some("stream_error"))
+        );
+        assert_eq!(
+            (rec.output_tokens, rec.output_tokens_source),
+            (Some(1), TokenSource::Chunks)
+        );
+        assert_eq!(
+            (rec.input_tokens, rec.input_tokens_source),
+            (Some(7), TokenSource::Usage)
+        );
+        for failure in [
+            "event: response.failed\ndata: {\"type\":\"response.failed\",\"response\":{\"status\":\"failed\",\"error\":{\"code\":\"server_error\"}}}\n\n",
+            "event: error\ndata: {\"type\":\"error\",\"code\":\"ERR\",\"message\":\"x\"}\n\n",
+        ] {
+            let (rec, _) = streamed(Endpoint::Responses, &[(10, failure)]);
+            assert_eq!(rec.error_type.as_deref(), Some("stream_error"), "{failure}");
+        }
+        // A Responses stream that ends before `response.completed`: chunks and the estimate.
+        let (rec, _) = streamed(
+            Endpoint::Responses,
+            &[
+                (10, "data: {\"type\":\"response.output_text.delta\",\"delta\":\"a\"}\n\n"),
+                (30, "data: {\"type\":\"response.function_call_arguments.delta\",\"delta\":\"{}\"}\n\n"),
+            ],
+        );
+        assert_eq!(rec.outcome, Outcome::Ok);
+        assert_eq!(
+            (rec.output_tokens, rec.output_tokens_source),
+            (Some(2), TokenSource::Chunks)
+        );
+        assert_eq!(rec.tpot_ms, Some(20.0));
+        // `incomplete` at the output limit is the chat's `length`.
+        let (rec, _) = streamed(
+            Endpoint::Responses,
+            &[(10, "data: {\"type\":\"response.incomplete\",\"response\":{\"status\":\"incomplete\",\"incomplete_details\":{\"reason\":\"max_output_tokens\"},\"usage\":{\"input_tokens\":4,\"output_tokens\":9}}}\n\n")],
+        );
+        assert_eq!(
+            (rec.finish_reason.as_deref(), rec.output_tokens),
+            (Some("length"), Some(9))
+        );
+    }
+
+    #[test]
+    fn non_streamed_bodies_of_both_apis() {
+        let body = |endpoint, buf: &str| {
+            let t0 = Instant::now();
+            let mut f = ResponseFacts::new(t0, endpoint);
+            f.headers(at(t0, 5), 200, &http::HeaderMap::new());
+            f.absorb_body(buf.as_bytes(), at(t0, 50));
+            let mut rec = RequestRecord {
+                endpoint,
+                ..RequestRecord::default()
+            };
+            derive(&mut rec, &f, None, at(t0, 60), None);
+            rec
+        };
+        let r = body(
+            Endpoint::Messages,
+            r#"{"id":"chatcmpl-1","type":"message","content":[{"type":"text","text":"hi"}],"stop_reason":"max_tokens","usage":{"cache_read_input_tokens":21,"input_tokens":5,"output_tokens":8}}"#,
+        );
+        assert_eq!(
+            (r.input_tokens, r.output_tokens, r.cached_tokens),
+            (Some(26), Some(8), Some(21))
+        );
+        assert_eq!(
+            (r.finish_reason.as_deref(), r.ttft_ms, r.chunks),
+            (Some("length"), None, None)
+        );
+        let r = body(
+            Endpoint::Responses,
+            r#"{"id":"resp_1","object":"response","status":"completed","output":[{"type":"message","content":[{"type":"output_text","text":"hi"}]}],"usage":{"input_tokens":26,"output_tokens":8,"input_tokens_details":{"cached_tokens":0}}}"#,
+        );
+        assert_eq!(
+            (r.input_tokens, r.output_tokens, r.cached_tokens),
+            (Some(26), Some(8), Some(0))
+        );
+        assert_eq!(r.outcome, Outcome::Ok);
+        // A chat-shaped body sent to the Responses API is no Responses body: no output.
+        let r = body(
+            Endpoint::Responses,
+            r#"{"choices":[{"message":{"content":"hi"}}]}"#,
+        );
+        assert_eq!(r.output_tokens, None);
     }
 }

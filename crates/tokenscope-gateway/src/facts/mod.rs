@@ -8,17 +8,23 @@
 //! * Absorbing is cheap and bounded: per SSE event one parse of its `data:` JSON and no
 //!   allocation besides what a field keeps (the finish reason, the served model once, output
 //!   text up to [`MAX_OUTPUT_TEXT`] only when a tokenizer may count it).
+//! * Each payload is read by its endpoint's parser (chat-style, Responses API, Messages API:
+//!   [`parse_payload_for`]); what counts as an output chunk for TTFT/TPOT is that parser's
+//!   `has_output` (the first token-bearing delta of any kind: text, reasoning, tool call).
 //! * A later `usage` / `timings` / `metrics` replaces an earlier one (the final chunk is the
-//!   complete one); the served model is the first one seen in a stream.
+//!   complete one), except the Messages API's usage, whose counts are merged field by field
+//!   (`message_start` has the input, `message_delta` the cumulative output); the served model
+//!   is the first one seen in a stream.
 
 pub(crate) mod derive;
 
 use crate::engine::{EngineKind, TgiHeaders};
 use http::HeaderMap;
 use std::time::Instant;
-use tokenscope_core::openai::{parse_payload, LlamaTimings, Usage, VllmMetrics};
+use tokenscope_core::messages::MessagesUsage;
+use tokenscope_core::openai::{parse_payload_for, LlamaTimings, PayloadInfo, Usage, VllmMetrics};
 use tokenscope_core::sse::parse_event;
-use tokenscope_core::StreamTimer;
+use tokenscope_core::{Endpoint, StreamTimer};
 
 /// Largest streamed output text kept for counting a cancelled stream's tokens.
 pub(crate) const MAX_OUTPUT_TEXT: usize = 256 * 1024;
@@ -28,12 +34,16 @@ pub(crate) const MAX_OUTPUT_TEXT: usize = 256 * 1024;
 pub(crate) struct ResponseFacts {
     /// Arrival, body received, upstream sent, headers, content chunks.
     timer: StreamTimer,
+    /// The endpoint, whose API's parser reads the payloads.
+    endpoint: Endpoint,
     /// The request asked for a stream.
     stream: bool,
     /// The configured engine kind of the upstream.
     kind: EngineKind,
     status: Option<u16>,
     usage: Option<Usage>,
+    /// The Messages API's usage merged so far (`usage` is its chat form).
+    messages_usage: Option<MessagesUsage>,
     timings: Option<LlamaTimings>,
     metrics: Option<VllmMetrics>,
     tgi: Option<TgiHeaders>,
@@ -52,14 +62,16 @@ pub(crate) struct ResponseFacts {
 }
 
 impl ResponseFacts {
-    /// No facts yet about a request that arrived at `arrival`.
-    pub(crate) fn new(arrival: Instant) -> Self {
+    /// No facts yet about a request to `endpoint` that arrived at `arrival`.
+    pub(crate) fn new(arrival: Instant, endpoint: Endpoint) -> Self {
         ResponseFacts {
             timer: StreamTimer::new(arrival),
+            endpoint,
             stream: false,
             kind: EngineKind::Auto,
             status: None,
             usage: None,
+            messages_usage: None,
             timings: None,
             metrics: None,
             tgi: None,
@@ -132,7 +144,7 @@ impl ResponseFacts {
         if data.is_empty() || data == "[DONE]" {
             return false;
         }
-        match parse_payload(data.as_bytes()) {
+        match parse_payload_for(self.endpoint, data.as_bytes()) {
             Ok(info) => {
                 let strip_this = strip && info.is_usage_only() && !info.has_output;
                 if info.has_output {
@@ -144,9 +156,7 @@ impl ResponseFacts {
                     }
                 }
                 self.output_bytes += info.output_bytes;
-                if info.usage.is_some() {
-                    self.usage = info.usage;
-                }
+                self.absorb_usage(&info);
                 if info.timings.is_some() {
                     self.timings = info.timings;
                 }
@@ -172,14 +182,28 @@ impl ResponseFacts {
         }
     }
 
+    /// A payload's usage: a later one replaces the earlier one; the Messages API's counts are
+    /// merged (see the module docs).
+    fn absorb_usage(&mut self, info: &PayloadInfo<'_>) {
+        if let Some(u) = &info.messages_usage {
+            let merged = self
+                .messages_usage
+                .get_or_insert_with(MessagesUsage::default);
+            merged.merge(u);
+            self.usage = Some(merged.to_usage());
+        } else if info.usage.is_some() {
+            self.usage = info.usage;
+        }
+    }
+
     /// Reads a whole (non-SSE) response body that arrived complete at `now`.
     pub(crate) fn absorb_body(&mut self, buf: &[u8], now: Instant) {
-        match parse_payload(buf) {
+        match parse_payload_for(self.endpoint, buf) {
             Ok(info) => {
                 if info.has_output && self.stream {
                     self.timer.on_token_chunk(now);
                 }
-                self.usage = info.usage.or(self.usage);
+                self.absorb_usage(&info);
                 self.timings = info.timings.or(self.timings);
                 self.metrics = info.metrics.or(self.metrics);
                 if let Some(r) = info.finish_reason {

@@ -358,6 +358,8 @@ pub struct EngineTarget {
     pub metrics_url: Option<String>,
     /// The configured kind.
     pub kind: EngineKind,
+    /// Trust roots and client certificate for `https://` metrics URLs (the upstream's).
+    pub tls: tokenscope_net::ClientTls,
 }
 
 impl EngineTarget {
@@ -368,6 +370,7 @@ impl EngineTarget {
             base_url: base_url.into(),
             metrics_url: None,
             kind: EngineKind::Auto,
+            tls: tokenscope_net::ClientTls::system(),
         }
     }
 
@@ -407,7 +410,7 @@ pub(crate) fn parse_http_url(url: &str) -> Result<Uri, TargetError> {
             reason: e.to_string(),
         })?;
     match uri.scheme_str() {
-        Some("http") => {}
+        Some("http" | "https") => {}
         Some(_) => return Err(TargetError::UnsupportedScheme { url: redacted(url) }),
         None => {
             return Err(TargetError::InvalidUrl {
@@ -488,7 +491,7 @@ impl EngineStateHandle {
         let handle = Self::idle(target.name, Some(url));
         let weak = Arc::downgrade(&handle.shared);
         let stop = handle.shared.cell.stop.clone();
-        runtime.spawn(run(weak, stop, uri, target.kind, config));
+        runtime.spawn(run(weak, stop, uri, target.kind, target.tls, config));
         Ok(handle)
     }
 
@@ -562,9 +565,10 @@ async fn run(
     stop: tokio_util::sync::CancellationToken,
     uri: Uri,
     hint: EngineKind,
+    tls: tokenscope_net::ClientTls,
     config: ScrapeConfig,
 ) {
-    let client = fetch::client(config.timeout);
+    let client = fetch::client(config.timeout, &tls);
     let shown = redacted(&uri.to_string());
     let mut window = PrefixWindow::default();
     let mut failing = false;
@@ -632,7 +636,7 @@ mod tests {
             redacted("http://10.0.0.1:8000/m?a=b@c"),
             "http://10.0.0.1:8000/m?a=b@c"
         );
-        let err = parse_http_url("https://ops:s3cret@h/metrics").expect_err("https");
+        let err = parse_http_url("ftp://ops:s3cret@h/metrics").expect_err("ftp");
         assert!(!err.to_string().contains("s3cret"), "{err}");
     }
 
@@ -793,7 +797,7 @@ mod tests {
         t.metrics_url = Some("http://127.0.0.1:9000/m".to_owned());
         assert_eq!(t.scrape_url().as_deref(), Some("http://127.0.0.1:9000/m"));
         assert!(matches!(
-            parse_http_url("https://api.example/metrics"),
+            parse_http_url("ftp://api.example/metrics"),
             Err(TargetError::UnsupportedScheme { .. })
         ));
         assert!(matches!(
@@ -801,5 +805,6 @@ mod tests {
             Err(TargetError::InvalidUrl { .. })
         ));
         assert!(parse_http_url("http://127.0.0.1:1/metrics").is_ok());
+        assert!(parse_http_url("https://engine.example/metrics").is_ok());
     }
 }

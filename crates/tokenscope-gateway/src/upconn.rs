@@ -33,6 +33,11 @@
 //!   another connection (hyper hands the request back); a request that was written is never
 //!   sent twice.
 //! * The pool's lock is held for a `VecDeque` push or pop only, never across I/O.
+//! * `https://` upstreams: the connection is TLS over TCP ([`UpStream::Tls`]; rustls, SNI from
+//!   the URL's host, ALPN `http/1.1`, the upstream's CA file and client certificate), opened
+//!   and handshaken within `connect_timeout`; a failed handshake is [`UpError::Tls`] (nothing
+//!   was sent). `http://` connections are plain TCP ([`UpStream::Plain`]): one `match` per I/O
+//!   call is all they pay for TLS support.
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, Uri};
@@ -48,7 +53,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokenscope_net::rustls::pki_types::ServerName;
+use tokenscope_net::tokio_rustls::{client::TlsStream, TlsConnector};
 
 /// How long a connection is watched after a chunked response while the pool does not know yet
 /// whether the upstream closes connections after those (module docs).
@@ -118,7 +126,74 @@ impl KeepAlive {
     }
 }
 
-type Conn = Connection<TokioIo<TcpStream>, Full<Bytes>>;
+/// The byte stream of an upstream connection: plain TCP (`http://`) or TLS over TCP
+/// (`https://`).
+pub(crate) enum UpStream {
+    /// `http://`.
+    Plain(TcpStream),
+    /// `https://` (boxed: a TLS session is large, and most upstreams are plain).
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for UpStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            UpStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            UpStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for UpStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            UpStream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            UpStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            UpStream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            UpStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            UpStream::Plain(s) => s.is_write_vectored(),
+            UpStream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            UpStream::Plain(s) => Pin::new(s).poll_flush(cx),
+            UpStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            UpStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            UpStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+type Conn = Connection<TokioIo<UpStream>, Full<Bytes>>;
 
 /// Why an upstream request failed.
 #[derive(Debug, thiserror::Error)]
@@ -126,6 +201,10 @@ pub(crate) enum UpError {
     /// No connection could be opened (refused, unreachable, connect timeout).
     #[error("cannot connect to {addr}: {reason}")]
     Connect { addr: String, reason: String },
+    /// The TLS handshake with an `https://` upstream failed (untrusted or mismatched
+    /// certificate, a client certificate refused, no common protocol…); nothing was sent.
+    #[error("TLS with {addr}: {reason}")]
+    Tls { addr: String, reason: String },
     /// The connection failed while sending the request or reading the response head.
     #[error("{0}")]
     Http(#[from] hyper::Error),
@@ -133,18 +212,27 @@ pub(crate) enum UpError {
 
 impl UpError {
     /// `true` when no connection could be opened.
+    #[cfg(test)]
     pub(crate) fn is_connect(&self) -> bool {
         matches!(self, UpError::Connect { .. })
     }
 
     /// The error code a client (and the record's `error_type`) gets for it.
     pub(crate) fn code(&self) -> &'static str {
-        if self.is_connect() {
-            "upstream_unreachable"
-        } else {
-            "upstream_failed"
+        match self {
+            UpError::Connect { .. } => "upstream_unreachable",
+            UpError::Tls { .. } => "upstream_tls",
+            UpError::Http(_) => "upstream_failed",
         }
     }
+}
+
+/// How the pool's connections to an `https://` upstream are made.
+struct TlsTarget {
+    connector: TlsConnector,
+    /// SNI and the name the certificate must carry; `Err`: the URL's host cannot be one
+    /// (every connection attempt fails with that).
+    name: Result<ServerName<'static>, String>,
 }
 
 struct Idle {
@@ -162,6 +250,8 @@ struct Idle {
 pub(crate) struct UpPool {
     /// `host:port` to connect to.
     addr: String,
+    /// `Some` for an `https://` upstream.
+    tls: Option<TlsTarget>,
     /// `Host` header value.
     host: Option<HeaderValue>,
     connect_timeout: Duration,
@@ -189,16 +279,23 @@ pub(crate) struct UpConn {
 }
 
 impl UpPool {
-    /// A pool for the upstream at `base` (`http://host[:port][/prefix]`) that reuses a
-    /// connection for at most `idle_timeout` after its last response (zero: never).
+    /// A pool for the upstream at `base` (`http[s]://host[:port][/prefix]`) that reuses a
+    /// connection for at most `idle_timeout` after its last response (zero: never); `tls` is
+    /// used for an `https://` base.
     pub(crate) fn new(
         base: &Uri,
         connect_timeout: Duration,
         max_idle: usize,
         idle_timeout: Duration,
+        tls: &tokenscope_net::ClientTls,
     ) -> Arc<Self> {
         let host = base.host().unwrap_or("127.0.0.1");
-        let port = base.port_u16().unwrap_or(80);
+        let https = base.scheme_str() == Some("https");
+        let port = base.port_u16().unwrap_or(if https { 443 } else { 80 });
+        let tls = https.then(|| TlsTarget {
+            connector: tls.tokio_connector(&[b"http/1.1"]),
+            name: tokenscope_net::server_name(host).map_err(|e| e.to_string()),
+        });
         let addr = if host.contains(':') && !host.starts_with('[') {
             format!("[{host}]:{port}")
         } else {
@@ -209,6 +306,7 @@ impl UpPool {
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok());
         Arc::new(Self {
             addr,
+            tls,
             host: host_header,
             connect_timeout,
             max_idle,
@@ -266,22 +364,50 @@ impl UpPool {
         }
     }
 
-    async fn connect(self: &Arc<Self>) -> Result<UpConn, UpError> {
-        let err = |reason: String| UpError::Connect {
+    /// Opens a connection: TCP, and for `https://` the TLS handshake, both within
+    /// `connect_timeout`.
+    async fn open(&self) -> Result<UpStream, UpError> {
+        let tcp = TcpStream::connect(&self.addr)
+            .await
+            .map_err(|e| UpError::Connect {
+                addr: self.addr.clone(),
+                reason: e.to_string(),
+            })?;
+        // Streamed tokens are small writes: no Nagle delay.
+        let _ = tcp.set_nodelay(true);
+        let Some(tls) = &self.tls else {
+            return Ok(UpStream::Plain(tcp));
+        };
+        let tls_err = |reason: String| UpError::Tls {
             addr: self.addr.clone(),
             reason,
         };
-        let tcp = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.addr))
+        let name = tls.name.clone().map_err(tls_err)?;
+        let s = tls
+            .connector
+            .connect(name, tcp)
             .await
-        {
-            Err(_) => return Err(err(format!("timed out after {:?}", self.connect_timeout))),
-            Ok(Err(e)) => return Err(err(e.to_string())),
-            Ok(Ok(t)) => t,
+            .map_err(|e| tls_err(e.to_string()))?;
+        Ok(UpStream::Tls(Box::new(s)))
+    }
+
+    async fn connect(self: &Arc<Self>) -> Result<UpConn, UpError> {
+        let stream = match tokio::time::timeout(self.connect_timeout, self.open()).await {
+            Err(_) => {
+                let what = if self.tls.is_some() {
+                    " (TCP connect and TLS handshake)"
+                } else {
+                    ""
+                };
+                return Err(UpError::Connect {
+                    addr: self.addr.clone(),
+                    reason: format!("timed out after {:?}{what}", self.connect_timeout),
+                });
+            }
+            Ok(r) => r?,
         };
-        // Streamed tokens are small writes: no Nagle delay.
-        let _ = tcp.set_nodelay(true);
         let (sender, conn) = Builder::new()
-            .handshake(TokioIo::new(tcp))
+            .handshake(TokioIo::new(stream))
             .await
             .map_err(UpError::Http)?;
         Ok(UpConn {
@@ -624,6 +750,7 @@ mod tests {
             Duration::from_secs(1),
             8,
             idle_timeout,
+            &tokenscope_net::ClientTls::system(),
         )
     }
 

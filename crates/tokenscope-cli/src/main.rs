@@ -93,8 +93,8 @@ struct ServeArgs {
     #[arg(long, env = "TOKENSCOPE_CONFIG")]
     config: Option<PathBuf>,
     /// Export one OpenTelemetry trace per kept request to this OTLP endpoint
-    /// (`http://HOST:4318` for OTLP/HTTP, `http://HOST:4317` for OTLP/gRPC) [config:
-    /// tracing.otlp_endpoint].
+    /// (`http[s]://HOST:4318` for OTLP/HTTP, `http[s]://HOST:4317` for OTLP/gRPC) [config:
+    /// tracing.otlp_endpoint; env: OTEL_EXPORTER_OTLP_ENDPOINT].
     #[arg(long)]
     otlp_endpoint: Option<String>,
     /// OTLP transport: `http` (protobuf) or `grpc` [default: http].
@@ -244,7 +244,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         cfg.store = s;
     }
     if let Some(e) = args.otlp_endpoint {
+        // The flag wins over every other source, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` included.
         cfg.tracing.otlp_endpoint = Some(e);
+        cfg.tracing.otlp_traces_endpoint = None;
     }
     if let Some(p) = args.worker_priority {
         // The runtime's threads got it in `main`; the background runtime derives its own.

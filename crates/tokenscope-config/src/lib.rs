@@ -252,7 +252,10 @@ impl std::fmt::Debug for TracingSection {
     /// Header values are secrets (API keys): only their names are shown.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TracingSection")
-            .field("otlp_endpoint", &self.otlp_endpoint.as_deref().map(redact_url))
+            .field(
+                "otlp_endpoint",
+                &self.otlp_endpoint.as_deref().map(redact_url),
+            )
             .field(
                 "otlp_traces_endpoint",
                 &self.otlp_traces_endpoint.as_deref().map(redact_url),
@@ -320,9 +323,7 @@ fn check_http_url(what: &str, url: &str) -> Result<http::Uri, ConfigError> {
         .map_err(|e| ConfigError::Invalid(format!("{what} {shown:?}: {e}")))?;
     match uri.scheme_str() {
         Some("http" | "https") if uri.host().is_some() => Ok(uri),
-        Some("http" | "https") => Err(ConfigError::Invalid(format!(
-            "{what} {shown:?}: no host"
-        ))),
+        Some("http" | "https") => Err(ConfigError::Invalid(format!("{what} {shown:?}: no host"))),
         Some(other) => Err(ConfigError::Invalid(format!(
             "{what} {shown:?}: the scheme {other:?} is not supported; use http:// or https://"
         ))),
@@ -1059,13 +1060,19 @@ tenant = "search"
         );
         // Header values never appear in the section's Debug output.
         let dbg = format!("{t:?}");
-        assert!(!dbg.contains("Bearer") && dbg.contains("authorization"), "{dbg}");
+        assert!(
+            !dbg.contains("Bearer") && dbg.contains("authorization"),
+            "{dbg}"
+        );
         // The traces endpoint is used as is, and wins over the generic one.
         let cfg = GatewayConfig::load_with_env(
             None,
             vars(&[
                 ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://a:4318"),
-                ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "https://b/custom/traces"),
+                (
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                    "https://b/custom/traces",
+                ),
             ]),
         )
         .expect("valid");
@@ -1084,12 +1091,10 @@ tenant = "search"
             err.contains("OTEL_EXPORTER_OTLP_TRACES_HEADERS") && !err.contains("secretvalue"),
             "{err}"
         );
-        let err = GatewayConfig::load_with_env(
-            None,
-            vars(&[("OTEL_EXPORTER_OTLP_TIMEOUT", "soon")]),
-        )
-        .expect_err("not a timeout")
-        .to_string();
+        let err =
+            GatewayConfig::load_with_env(None, vars(&[("OTEL_EXPORTER_OTLP_TIMEOUT", "soon")]))
+                .expect_err("not a timeout")
+                .to_string();
         assert!(err.contains("OTEL_EXPORTER_OTLP_TIMEOUT"), "{err}");
     }
 

@@ -233,7 +233,10 @@ mod tests {
     fn generic_then_traces_specific() {
         let got = settings(&vars(&[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:4318"),
-            ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "https://c:4318/custom"),
+            (
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "https://c:4318/custom",
+            ),
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
             ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
             ("OTEL_EXPORTER_OTLP_HEADERS", "a=1,b=2"),

@@ -21,7 +21,6 @@
 use bytes::Bytes;
 use http::Uri;
 use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use std::sync::Arc;
@@ -69,7 +68,7 @@ fn models_uri(base: &Uri) -> Option<Uri> {
 }
 
 async fn fetch(
-    client: &Client<HttpConnector, Empty<Bytes>>,
+    client: &Client<tokenscope_net::ConnectorSet, Empty<Bytes>>,
     uri: &Uri,
 ) -> Result<Vec<String>, String> {
     let req = http::Request::get(uri.clone())
@@ -78,7 +77,10 @@ async fn fetch(
         .body(Empty::<Bytes>::new())
         .map_err(|e| e.to_string())?;
     let exchange = async {
-        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let resp = client
+            .request(req)
+            .await
+            .map_err(|e| tokenscope_net::error_chain(&e))?;
         if !resp.status().is_success() {
             return Err(format!("HTTP {}", resp.status()));
         }
@@ -96,8 +98,13 @@ async fn fetch(
 
 /// Reserves the upstreams' literal model names now, starts the `/v1/models` task for the
 /// upstreams polled in the background (`true`: `scrape_interval_ms > 0`) and waits for its
-/// first round (at most [`FIRST_ROUND_WAIT`]).
-pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[(String, Uri, Vec<String>, bool)]) {
+/// first round (at most [`FIRST_ROUND_WAIT`]). `connectors`: each upstream's TLS (`https://`
+/// upstreams are fetched with their CA file and client certificate).
+pub(crate) async fn start(
+    metrics: Arc<Metrics>,
+    upstreams: &[(String, Uri, Vec<String>, bool)],
+    connectors: tokenscope_net::ConnectorSet,
+) {
     metrics.reserve_models(upstreams.iter().flat_map(|(_, _, m, _)| literal_names(m)));
     let targets: Vec<(String, Uri, String)> = upstreams
         .iter()
@@ -113,11 +120,10 @@ pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[(String, Uri, Vec<
     }
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(FETCH_TIMEOUT));
-        let client: Client<HttpConnector, Empty<Bytes>> = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(0)
-            .build(connector);
+        let client: Client<tokenscope_net::ConnectorSet, Empty<Bytes>> =
+            Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(0)
+                .build(connectors);
         let mut first = Some(tx);
         loop {
             // The upstreams at once: a round lasts at most one FETCH_TIMEOUT.

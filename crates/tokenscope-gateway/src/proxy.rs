@@ -321,7 +321,11 @@ pub(crate) async fn passthrough(State(shared): State<Arc<Shared>>, req: Request)
         Err(_) => Failure::UpstreamTimeout.response(),
         Ok(Err(e)) => Failure::Upstream {
             code: "upstream_unreachable",
-            message: format!("upstream {}: {e}", upstream.name),
+            message: format!(
+                "upstream {}: {}",
+                upstream.name,
+                tokenscope_net::error_chain(&e)
+            ),
         }
         .response(),
         Ok(Ok(resp)) => {

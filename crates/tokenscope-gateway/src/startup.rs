@@ -16,7 +16,6 @@ use crate::finished::{Fanout, Tracing};
 use crate::shared::{Shared, Upstream};
 use crate::{alerting, auth, cost, models, server, upconn, Gateway, GatewayError, StoreTarget};
 use http::Uri;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use std::sync::Arc;
@@ -59,11 +58,7 @@ fn start_tracing(
     cfg: &config::TracingSection,
     metrics: &Arc<Metrics>,
 ) -> Result<Option<Tracing>, ConfigError> {
-    let Some(endpoint) = cfg
-        .otlp_endpoint
-        .as_deref()
-        .filter(|e| !e.trim().is_empty())
-    else {
+    let Some((endpoint, endpoint_as_is)) = cfg.endpoint() else {
         return Ok(None);
     };
     let invalid = |what: &str, e: String| ConfigError::Invalid(format!("tracing: {what}: {e}"));
@@ -90,7 +85,15 @@ fn start_tracing(
     );
     let exporter = tokenscope_trace::TraceExporter::spawn(
         tokenscope_trace::ExporterConfig {
-            endpoint: endpoint.trim().to_owned(),
+            endpoint: endpoint.to_owned(),
+            endpoint_as_is,
+            // The CA file and client certificate are read now: a bad file refuses the start.
+            tls: tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions::from_paths(
+                cfg.ca_file.as_deref(),
+                cfg.client_cert.as_deref(),
+                cfg.client_key.as_deref(),
+            ))
+            .map_err(|e| invalid("TLS", e.to_string()))?,
             protocol,
             queue_spans: cfg.queue_spans,
             batch_spans: cfg.batch_spans,
@@ -126,6 +129,17 @@ fn start_tracing(
         "Trace export on (tail-sampled)."
     );
     Ok(Some(Tracing { sampler, exporter }))
+}
+
+/// The TLS settings of an upstream (`ca_file`, `client_cert`, `client_key`; the system's roots
+/// when none is set), its files read now.
+fn upstream_tls(u: &config::UpstreamConfig) -> Result<tokenscope_net::ClientTls, ConfigError> {
+    tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions::from_paths(
+        u.ca_file.as_deref(),
+        u.client_cert.as_deref(),
+        u.client_key.as_deref(),
+    ))
+    .map_err(|e| ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)))
 }
 
 /// Feeds pipeline events into the Prometheus metrics.
@@ -284,12 +298,15 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
                 .url
                 .parse()
                 .map_err(|e| ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)))?;
+            // Its CA file and client certificate, read now: a bad file refuses the start.
+            let tls = upstream_tls(u)?;
             let state = if u.scrape_interval_ms > 0 {
                 let target = EngineTarget {
                     name: u.name.clone(),
                     base_url: u.url.clone(),
                     metrics_url: u.metrics_url.clone(),
                     kind: u.kind,
+                    tls: tls.clone(),
                 };
                 let scrape = ScrapeConfig {
                     interval: Duration::from_millis(u.scrape_interval_ms),
@@ -314,10 +331,12 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
                     cfg.connect_timeout(),
                     POOL_MAX_IDLE_PER_HOST,
                     cfg.upstream_idle_timeout(),
+                    &tls,
                 ),
                 base,
                 cfg: u.clone(),
                 state,
+                tls,
             });
         }
         let gpu = GpuStateHandle::spawn(&GpuConfig {
@@ -380,9 +399,24 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
         tracing::warn!("{w}");
     }
 
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(cfg.connect_timeout()));
-    connector.set_nodelay(true);
+    // Each upstream's TLS settings, by origin (the pass-through client and the `/v1/models`
+    // fetch); the connect timeout covers TCP and the TLS handshake.
+    let connectors = |timeout: Duration| {
+        let opts = tokenscope_net::ConnectOptions {
+            timeout: Some(timeout),
+            nodelay: true,
+            ..tokenscope_net::ConnectOptions::default()
+        };
+        let mut set = tokenscope_net::ConnectorSet::new(tokenscope_net::connector(
+            &tokenscope_net::ClientTls::system(),
+            opts,
+        ));
+        for u in &upstreams {
+            set.insert(&u.base, tokenscope_net::connector(&u.tls, opts));
+        }
+        set
+    };
+    let connector = connectors(cfg.connect_timeout());
     // The pass-through client (unmeasured paths; measured requests use `upconn`): at most
     // `PASSTHROUGH_MAX_IDLE_PER_HOST` idle connections per engine (each holds hyper's
     // buffers, ~30 KiB), each reused for at most `upstream_idle_timeout_ms` (below the
@@ -431,7 +465,7 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
             (u.name.clone(), u.base.clone(), u.cfg.models.clone(), polled)
         })
         .collect();
-    models::start(metrics.clone(), &served).await;
+    models::start(metrics.clone(), &served, connectors(models::FETCH_TIMEOUT)).await;
     let fanout = Arc::new(Fanout::new(
         metrics.clone(),
         cost::CostMeter::new(tokenscope_analysis::PriceTable::new(cfg.prices.clone())),

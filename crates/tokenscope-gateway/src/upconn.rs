@@ -53,10 +53,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
 use tokenscope_net::rustls::pki_types::ServerName;
 use tokenscope_net::tokio_rustls::{client::TlsStream, TlsConnector};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
 
 /// How long a connection is watched after a chunked response while the pool does not know yet
 /// whether the upstream closes connections after those (module docs).
@@ -713,31 +713,150 @@ mod tests {
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let acc = accepted.clone();
         tokio::spawn(async move {
-            while let Ok((mut s, _)) = l.accept().await {
+            while let Ok((s, _)) = l.accept().await {
                 acc.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(answer(s, per_conn, extra));
+            }
+        });
+        (addr, accepted)
+    }
+
+    /// Answers `per_conn` requests on `s` with `ok` (see [`server`]).
+    async fn answer<S>(mut s: S, per_conn: usize, extra: &'static str)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let mut buf = vec![0u8; 4096];
+        for i in 0..per_conn {
+            let mut got = Vec::new();
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+            let close = i + 1 == per_conn;
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n{extra}{}\r\nok",
+                if close { "connection: close\r\n" } else { "" }
+            );
+            if s.write_all(resp.as_bytes()).await.is_err() || s.flush().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// [`server`] behind TLS (a fresh test PKI's server certificate, for `localhost`): its port,
+    /// the number of completed handshakes, the PKI and the directory holding it.
+    async fn tls_server(
+        per_conn: usize,
+    ) -> (
+        u16,
+        Arc<std::sync::atomic::AtomicUsize>,
+        tokenscope_net::test_util::TestPki,
+        tempfile::TempDir,
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pki = tokenscope_net::test_util::TestPki::generate(dir.path()).expect("pki");
+        let cfg =
+            tokenscope_net::server_config(&pki.server_cert, &pki.server_key, None, &[b"http/1.1"])
+                .expect("server config");
+        let acceptor = tokenscope_net::tokio_rustls::TlsAcceptor::from(cfg);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let acc = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                let acceptor = acceptor.clone();
+                let acc = acc.clone();
                 tokio::spawn(async move {
-                    let mut buf = vec![0u8; 4096];
-                    for i in 0..per_conn {
-                        let mut got = Vec::new();
-                        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                            match s.read(&mut buf).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => got.extend_from_slice(&buf[..n]),
-                            }
-                        }
-                        let close = i + 1 == per_conn;
-                        let resp = format!(
-                            "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n{extra}{}\r\nok",
-                            if close { "connection: close\r\n" } else { "" }
-                        );
-                        if s.write_all(resp.as_bytes()).await.is_err() {
-                            return;
-                        }
+                    if let Ok(s) = acceptor.accept(s).await {
+                        acc.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        answer(s, per_conn, "").await;
                     }
                 });
             }
         });
-        (addr, accepted)
+        (port, accepted, pki, dir)
+    }
+
+    fn https_pool(port: u16, tls: &tokenscope_net::ClientTls) -> Arc<UpPool> {
+        UpPool::new(
+            &format!("https://localhost:{port}").parse().expect("uri"),
+            Duration::from_secs(5),
+            8,
+            Duration::from_secs(60),
+            tls,
+        )
+    }
+
+    #[tokio::test]
+    async fn https_upstreams_reuse_tls_connections() {
+        let (port, accepted, pki, _dir) = tls_server(3).await;
+        let tls = tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions {
+            ca_file: Some(pki.ca.clone()),
+            ..Default::default()
+        })
+        .expect("client tls");
+        let pool = https_pool(port, &tls);
+        for _ in 0..4 {
+            assert_eq!(get(&pool).await.expect("response"), "ok");
+        }
+        // Three responses per connection: four requests, two handshakes.
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_untrusted_certificate_is_a_tls_error() {
+        let (port, accepted, pki, _dir) = tls_server(3).await;
+        for tls in [
+            tokenscope_net::ClientTls::system(),
+            tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions {
+                ca_file: Some(pki.other_ca.clone()),
+                ..Default::default()
+            })
+            .expect("client tls"),
+        ] {
+            let err = get(&https_pool(port, &tls)).await.expect_err("untrusted");
+            assert!(matches!(err, UpError::Tls { .. }), "{err}");
+            assert_eq!(err.code(), "upstream_tls");
+            let msg = err.to_string();
+            assert!(
+                msg.starts_with(&format!(
+                    "TLS with localhost:{port}: invalid peer certificate"
+                )) && msg.contains("UnknownIssuer"),
+                "{msg}"
+            );
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn the_connect_timeout_covers_the_tls_handshake() {
+        // Accepts TCP and never answers the ClientHello.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = l.accept().await {
+                held.push(s);
+            }
+        });
+        let pool = UpPool::new(
+            &format!("https://127.0.0.1:{port}").parse().expect("uri"),
+            Duration::from_millis(200),
+            8,
+            Duration::from_secs(60),
+            &tokenscope_net::ClientTls::system(),
+        );
+        let err = get(&pool).await.expect_err("timeout");
+        assert!(err.is_connect(), "{err}");
+        assert!(err.to_string().contains("TLS handshake"), "{err}");
     }
 
     fn pool_for(addr: &str) -> Arc<UpPool> {

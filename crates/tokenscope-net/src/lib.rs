@@ -465,6 +465,72 @@ impl tower_service::Service<Uri> for HttpsConnect {
     }
 }
 
+/// Connectors chosen by the destination's origin (`scheme://host:port`): one hyper-util client
+/// for several servers that each have their own TLS settings (the gateway's pass-through
+/// client, one entry per upstream). A destination without an entry uses the default. The first
+/// connector added for an origin is kept.
+#[derive(Clone, Debug)]
+pub struct ConnectorSet {
+    default: HttpsConnect,
+    by_origin: Arc<std::collections::HashMap<String, HttpsConnect>>,
+}
+
+impl ConnectorSet {
+    /// A set whose destinations all use `default` until [`ConnectorSet::insert`] says otherwise.
+    pub fn new(default: HttpsConnect) -> Self {
+        Self {
+            default,
+            by_origin: Arc::default(),
+        }
+    }
+
+    /// Uses `connector` for the origin of `url` (its path is ignored); an origin already in the
+    /// set keeps its connector.
+    pub fn insert(&mut self, url: &Uri, connector: HttpsConnect) {
+        if let Some(o) = origin(url) {
+            Arc::make_mut(&mut self.by_origin)
+                .entry(o)
+                .or_insert(connector);
+        }
+    }
+
+    fn pick(&self, dst: &Uri) -> HttpsConnect {
+        origin(dst)
+            .and_then(|o| self.by_origin.get(&o))
+            .unwrap_or(&self.default)
+            .clone()
+    }
+}
+
+/// `scheme://host:port` of a URL, the port made explicit (80 / 443).
+fn origin(u: &Uri) -> Option<String> {
+    let scheme = u.scheme_str()?.to_ascii_lowercase();
+    let host = u.host()?.to_ascii_lowercase();
+    let port = u.port_u16().or(match scheme.as_str() {
+        "https" => Some(443),
+        "http" => Some(80),
+        _ => None,
+    })?;
+    Some(format!("{scheme}://{host}:{port}"))
+}
+
+impl tower_service::Service<Uri> for ConnectorSet {
+    type Response = HttpsStream;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<HttpsStream, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Each call uses a clone of a connector that is always ready (hyper-util's
+        // `HttpConnector` has no readiness of its own).
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, dst: Uri) -> Self::Future {
+        let mut c = self.pick(&dst);
+        tower_service::Service::<Uri>::call(&mut c, dst)
+    }
+}
+
 /// The TLS server name (SNI, and the name the certificate must carry) of a URL host: a DNS
 /// name, or an IP address (IPv6 with or without brackets).
 pub fn server_name(host: &str) -> Result<ServerName<'static>, TlsError> {

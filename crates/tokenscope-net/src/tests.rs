@@ -256,3 +256,47 @@ async fn plain_http_still_works() {
     .expect("http");
     assert_eq!(body, "plain");
 }
+
+#[tokio::test]
+async fn connector_set_uses_each_origins_tls() {
+    let (_dir, pki) = pki();
+    let addr = https_server(&pki, None).await;
+    let with_ca = ClientTls::new(&opts(Some(&pki.ca), None, None)).expect("client");
+    let plain = ConnectOptions {
+        timeout: Some(Duration::from_secs(5)),
+        ..ConnectOptions::default()
+    };
+    let mut set = ConnectorSet::new(connector(&ClientTls::system(), plain));
+    let trusted: Uri = format!("https://LOCALHOST:{}/base", addr.port())
+        .parse()
+        .expect("uri");
+    set.insert(&trusted, connector(&with_ca, plain));
+    let client: Client<_, Empty<Bytes>> = Client::builder(TokioExecutor::new()).build(set);
+    let ok = client
+        .get(
+            format!("https://localhost:{}/x", addr.port())
+                .parse()
+                .expect("uri"),
+        )
+        .await
+        .expect("trusted origin");
+    assert_eq!(ok.status(), 200);
+    // The same server under another name is another origin: the default (system roots).
+    let err = client
+        .get(
+            format!("https://127.0.0.1:{}/x", addr.port())
+                .parse()
+                .expect("uri"),
+        )
+        .await
+        .expect_err("default connector");
+    assert!(
+        error_chain(&err).contains("UnknownIssuer"),
+        "{}",
+        error_chain(&err)
+    );
+    assert_eq!(
+        origin(&"HTTPS://Engine:443/v1".parse().expect("uri")),
+        origin(&"https://engine".parse().expect("uri"))
+    );
+}

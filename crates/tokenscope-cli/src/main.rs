@@ -180,6 +180,16 @@ struct MockArgs {
     /// admin listener, http://127.0.0.1:9464) [default: off].
     #[arg(long)]
     otlp_endpoint: Option<String>,
+    /// Serve HTTPS with this PEM certificate chain (with --tls-key).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by a CA of this PEM file (mutual TLS; with
+    /// --tls-cert).
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
 }
 
 /// Logs to stderr, filtered by `TOKENSCOPE_LOG` (default `info`), as text or JSON lines.
@@ -348,9 +358,20 @@ async fn mock_engine(args: MockArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
+    // Certificate files are read before the ready line: a bad file is reported at once.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(tokenscope_net::server_config(
+            cert,
+            key,
+            args.tls_client_ca.as_deref(),
+            &[b"http/1.1"],
+        )?),
+        _ => None,
+    };
     println!(
-        "tokenscope mock-engine listening on {}",
-        listener.local_addr()?
+        "tokenscope mock-engine listening on {}{}",
+        listener.local_addr()?,
+        if tls.is_some() { " (https)" } else { "" }
     );
     let d = tokenscope_mock::MockConfig::default();
     let cfg = tokenscope_mock::MockConfig {
@@ -369,7 +390,10 @@ async fn mock_engine(args: MockArgs) -> Result<()> {
         otlp_endpoint: args.otlp_endpoint,
         ..d
     };
-    tokenscope_mock::serve(listener, cfg, shutdown_signal()).await?;
+    match tls {
+        Some(tls) => tokenscope_mock::serve_tls(listener, tls, cfg, shutdown_signal()).await?,
+        None => tokenscope_mock::serve(listener, cfg, shutdown_signal()).await?,
+    }
     Ok(())
 }
 

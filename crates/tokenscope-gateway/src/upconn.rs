@@ -205,8 +205,9 @@ pub(crate) enum UpError {
     /// certificate, a client certificate refused, no common protocol…); nothing was sent.
     #[error("TLS with {addr}: {reason}")]
     Tls { addr: String, reason: String },
-    /// The connection failed while sending the request or reading the response head.
-    #[error("{0}")]
+    /// The connection failed while sending the request or reading the response head (hyper's
+    /// error and its causes, e.g. a TLS alert: `connection error: received fatal alert: …`).
+    #[error("{}", tokenscope_net::error_chain(.0))]
     Http(#[from] hyper::Error),
 }
 

@@ -273,6 +273,31 @@ pub async fn serve(
     Ok(())
 }
 
+/// [`serve`] behind TLS: the same engine on `listener`, every connection a TLS session with
+/// `tls` (`tokenscope_net::server_config`: the mock's certificate, optionally requiring client
+/// certificates). Handshakes run beside the engine; a failed one closes only its connection.
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    tls: std::sync::Arc<tokenscope_net::rustls::ServerConfig>,
+    cfg: MockConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), MockError> {
+    cfg.validate()?;
+    let token = CancellationToken::new();
+    let _cancel_on_exit = token.clone().drop_guard();
+    let app = http::app(cfg, token.clone());
+    let signal = async move {
+        shutdown.await;
+        token.cancel();
+    };
+    // TCP_NODELAY is set on every accepted socket by the listener.
+    let listener = tokenscope_net::TlsListener::new(listener, tls)?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(signal)
+        .await?;
+    Ok(())
+}
+
 /// The same application as [`serve`], for embedding in another server or test harness.
 ///
 /// Invalid parameters are replaced by usable ones (see [`MockConfig::validate`] to check first).

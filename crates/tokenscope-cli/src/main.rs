@@ -190,6 +190,10 @@ struct MockArgs {
     /// --tls-cert).
     #[arg(long, requires = "tls_cert")]
     tls_client_ca: Option<PathBuf>,
+    /// Serve HTTPS on this address and plain HTTP on --listen, one engine behind both (with
+    /// --tls-cert; without it HTTPS is served on --listen).
+    #[arg(long, requires = "tls_cert")]
+    tls_listen: Option<String>,
 }
 
 /// Logs to stderr, filtered by `TOKENSCOPE_LOG` (default `info`), as text or JSON lines.
@@ -368,11 +372,32 @@ async fn mock_engine(args: MockArgs) -> Result<()> {
         )?),
         _ => None,
     };
-    println!(
-        "tokenscope mock-engine listening on {}{}",
-        listener.local_addr()?,
-        if tls.is_some() { " (https)" } else { "" }
-    );
+    let tls_listener = match &args.tls_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding {addr}"))?,
+        ),
+        None => None,
+    };
+    // One line per listener; the first is --listen's.
+    match &tls_listener {
+        Some(t) => {
+            println!(
+                "tokenscope mock-engine listening on {}",
+                listener.local_addr()?
+            );
+            println!(
+                "tokenscope mock-engine listening on {} (https)",
+                t.local_addr()?
+            );
+        }
+        None => println!(
+            "tokenscope mock-engine listening on {}{}",
+            listener.local_addr()?,
+            if tls.is_some() { " (https)" } else { "" }
+        ),
+    }
     let d = tokenscope_mock::MockConfig::default();
     let cfg = tokenscope_mock::MockConfig {
         slots: args.slots,
@@ -390,9 +415,14 @@ async fn mock_engine(args: MockArgs) -> Result<()> {
         otlp_endpoint: args.otlp_endpoint,
         ..d
     };
-    match tls {
-        Some(tls) => tokenscope_mock::serve_tls(listener, tls, cfg, shutdown_signal()).await?,
-        None => tokenscope_mock::serve(listener, cfg, shutdown_signal()).await?,
+    match (tls, tls_listener) {
+        (Some(tls), Some(secure)) => {
+            tokenscope_mock::serve_tls(secure, tls, Some(listener), cfg, shutdown_signal()).await?
+        }
+        (Some(tls), None) => {
+            tokenscope_mock::serve_tls(listener, tls, None, cfg, shutdown_signal()).await?
+        }
+        (None, _) => tokenscope_mock::serve(listener, cfg, shutdown_signal()).await?,
     }
     Ok(())
 }

@@ -273,6 +273,14 @@ fn a_bad_tls_file_refuses_to_start() {
             format!("client_cert = \"{}\"", path(&pki.client_cert)),
             vec!["client_key is not"],
         ),
+        (
+            format!(
+                "[listen_tls]\ncert_file = \"{}\"\nkey_file = \"{}\"",
+                path(&pki.server_cert),
+                path(&dir.path().join("no-key.pem"))
+            ),
+            vec!["listen_tls", "no-key.pem", "cannot read the server key"],
+        ),
     ] {
         let cfg = dir.path().join("gw.toml");
         std::fs::write(
@@ -482,5 +490,76 @@ async fn alert_webhook_over_tls() {
         "{m}"
     );
     assert_eq!(metric_sum(&m, "tokenscope_alert_webhook_errors_total"), 0.0);
+    gw.stop();
+}
+
+/// `[listen_tls]`: clients reach the gateway over HTTPS (HTTP/1.1 and HTTP/2 by ALPN); the
+/// streamed response and its record are those of a plain listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_listener_over_tls() {
+    let (dir, pki) = pki();
+    let mock = MockProc::start(&[]);
+    let cfg = dir.path().join("gw.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[listen_tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+            path(&pki.server_cert),
+            path(&pki.server_key)
+        ),
+    )
+    .expect("write config");
+    let gw = GatewayProc::start_with_args(Some(&mock.url()), &["--config", path(&cfg)], &[]);
+    let tls = tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions {
+        ca_file: Some(pki.ca.clone()),
+        ..Default::default()
+    })
+    .expect("client tls");
+    let url = format!("https://localhost:{}/v1/chat/completions", gw.proxy.port());
+    for versions in [
+        tokenscope_net::Versions::Http1,
+        tokenscope_net::Versions::Any,
+    ] {
+        let client: hyper_util::client::legacy::Client<_, http_body_util::Full<Bytes>> =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build(tokenscope_net::connector(
+                    &tls,
+                    tokenscope_net::ConnectOptions {
+                        versions,
+                        ..Default::default()
+                    },
+                ));
+        let req = http::Request::post(url.as_str())
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(Bytes::from(
+                chat(true).to_string(),
+            )))
+            .expect("request");
+        let resp = client.request(req).await.expect("https request");
+        assert_eq!(resp.status(), 200);
+        let id = request_id(resp.headers());
+        let body = resp.into_body().collect().await.expect("body").to_bytes();
+        let text = String::from_utf8_lossy(&body);
+        assert_eq!(text.matches("\"content\":\"tok").count(), 12, "{text}");
+        let rec = gw.record(&id).await;
+        assert_eq!(rec["outcome"], "ok", "{rec}");
+        assert_eq!(rec["output_tokens"], 12);
+        assert!(rec["ttft_ms"].as_f64().is_some_and(|t| t > 0.0), "{rec}");
+    }
+    // Plain HTTP to the TLS listener gets nothing (the handshake fails), and is counted.
+    assert!(common::try_get(&gw.url("/v1/models")).await.is_none());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = gw.metrics().await;
+        let failed = metric_sum(
+            &m,
+            "tokenscope_connections_tls_handshake_failures_total{listener=\"proxy\"}",
+        );
+        if failed >= 1.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{m}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     gw.stop();
 }

@@ -544,12 +544,28 @@ impl Default for LimitsSection {
     }
 }
 
+/// `[listen_tls]`: the proxy listener serves HTTPS (HTTP/1.1 and HTTP/2 by ALPN) instead of
+/// plain HTTP. The files are read at start-up; a bad one refuses the start.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ListenTlsSection {
+    /// PEM certificate chain of the listener (leaf first).
+    pub cert_file: String,
+    /// Its PEM private key.
+    pub key_file: String,
+    /// Require client certificates signed by a CA of this PEM file (mutual TLS).
+    #[serde(default)]
+    pub client_ca_file: Option<String>,
+}
+
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GatewayConfig {
     /// Proxy listener.
     pub listen: String,
+    /// Serve the proxy listener over TLS (`[listen_tls]`); unset = plain HTTP.
+    pub listen_tls: Option<ListenTlsSection>,
     /// Admin listener (`/metrics`, admin API). Localhost by default.
     pub admin_listen: String,
     /// Store: a SQLite file path (embedded, default `./tokenscope.db`; `sqlite://PATH` also
@@ -633,6 +649,7 @@ impl Default for GatewayConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:4000".into(),
+            listen_tls: None,
             admin_listen: "127.0.0.1:9464".into(),
             store: "./tokenscope.db".into(),
             max_body_bytes: 10 * 1024 * 1024,
@@ -1096,6 +1113,33 @@ tenant = "search"
                 .expect_err("not a timeout")
                 .to_string();
         assert!(err.contains("OTEL_EXPORTER_OTLP_TIMEOUT"), "{err}");
+    }
+
+    #[test]
+    fn listen_tls_from_env() {
+        let cfg = GatewayConfig::load_with_env(
+            None,
+            vars(&[
+                ("TOKENSCOPE_LISTEN_TLS__CERT_FILE", "/c.pem"),
+                ("TOKENSCOPE_LISTEN_TLS__KEY_FILE", "/k.pem"),
+            ]),
+        )
+        .expect("valid");
+        assert_eq!(
+            cfg.listen_tls,
+            Some(ListenTlsSection {
+                cert_file: "/c.pem".into(),
+                key_file: "/k.pem".into(),
+                client_ca_file: None,
+            })
+        );
+        assert!(GatewayConfig::default().listen_tls.is_none());
+        let err = GatewayConfig::load_with_env(
+            None,
+            vars(&[("TOKENSCOPE_LISTEN_TLS__CERT_FILE", "/c.pem")]),
+        )
+        .expect_err("no key");
+        assert!(err.to_string().contains("key_file"), "{err}");
     }
 
     #[test]

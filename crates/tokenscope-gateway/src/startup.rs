@@ -389,6 +389,19 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
             .await
             .map_err(|source| GatewayError::Bind { addr, source })
     };
+    // `[listen_tls]`: the certificate and key read now (a bad file refuses the start).
+    let proxy_tls = match &cfg.listen_tls {
+        None => None,
+        Some(t) => Some(
+            tokenscope_net::server_config(
+                std::path::Path::new(&t.cert_file),
+                std::path::Path::new(&t.key_file),
+                t.client_ca_file.as_deref().map(std::path::Path::new),
+                &[b"h2", b"http/1.1"],
+            )
+            .map_err(|e| ConfigError::Invalid(format!("listen_tls: {e}")))?,
+        ),
+    };
     let proxy = bind(cfg.listen.clone()).await?;
     let admin = bind(cfg.admin_listen.clone()).await?;
     if let Some(w) = admin
@@ -506,5 +519,6 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
         bg,
         proxy_conns: server::Connections::new(conn_metrics.listener("proxy")),
         admin_conns: server::Connections::new(conn_metrics.listener("admin")),
+        proxy_tls,
     })
 }

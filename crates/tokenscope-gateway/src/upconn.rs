@@ -33,11 +33,11 @@
 //!   another connection (hyper hands the request back); a request that was written is never
 //!   sent twice.
 //! * The pool's lock is held for a `VecDeque` push or pop only, never across I/O.
-//! * `https://` upstreams: the connection is TLS over TCP ([`UpStream::Tls`]; rustls, SNI from
-//!   the URL's host, ALPN `http/1.1`, the upstream's CA file and client certificate), opened
-//!   and handshaken within `connect_timeout`; a failed handshake is [`UpError::Tls`] (nothing
-//!   was sent). `http://` connections are plain TCP ([`UpStream::Plain`]): one `match` per I/O
-//!   call is all they pay for TLS support.
+//! * `https://` upstreams: the connection is TLS over TCP ([`UpStream`] =
+//!   `tokenscope_net::MaybeTls`; rustls, SNI from the URL's host, ALPN `http/1.1`, the
+//!   upstream's CA file and client certificate), opened and handshaken within
+//!   `connect_timeout`; a failed handshake is [`UpError::Tls`] (nothing was sent). `http://`
+//!   connections are plain TCP: one `match` per I/O call is all they pay for TLS support.
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, Uri};
@@ -55,7 +55,6 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tokenscope_net::rustls::pki_types::ServerName;
 use tokenscope_net::tokio_rustls::{client::TlsStream, TlsConnector};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 /// How long a connection is watched after a chunked response while the pool does not know yet
@@ -128,70 +127,7 @@ impl KeepAlive {
 
 /// The byte stream of an upstream connection: plain TCP (`http://`) or TLS over TCP
 /// (`https://`).
-pub(crate) enum UpStream {
-    /// `http://`.
-    Plain(TcpStream),
-    /// `https://` (boxed: a TLS session is large, and most upstreams are plain).
-    Tls(Box<TlsStream<TcpStream>>),
-}
-
-impl AsyncRead for UpStream {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            UpStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            UpStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for UpStream {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            UpStream::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            UpStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            UpStream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            UpStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match self {
-            UpStream::Plain(s) => s.is_write_vectored(),
-            UpStream::Tls(s) => s.is_write_vectored(),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            UpStream::Plain(s) => Pin::new(s).poll_flush(cx),
-            UpStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            UpStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            UpStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-        }
-    }
-}
+pub(crate) type UpStream = tokenscope_net::MaybeTls<TlsStream<TcpStream>>;
 
 type Conn = Connection<TokioIo<UpStream>, Full<Bytes>>;
 

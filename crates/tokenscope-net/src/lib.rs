@@ -13,6 +13,8 @@
 //!   `https://` URLs (hyper-rustls), whose connect timeout covers the TCP connect **and** the TLS
 //!   handshake. It also serves tonic's `Endpoint::connect_with_connector` (OTLP/gRPC, ALPN `h2`).
 //! * [`server_name`]: the SNI name of a URL host (a DNS name or an IP address).
+//! * [`MaybeTls`]: a TCP stream in the clear or under TLS, one type for connection code that
+//!   serves both (the gateway's upstream pool and its proxy listener).
 //! * [`server_config`] (and, with the `axum` feature, [`TlsListener`]): a server configuration
 //!   from a PEM certificate chain and key, optionally requiring client certificates signed by a
 //!   CA.
@@ -42,6 +44,9 @@ use tokio::net::TcpStream;
 pub use hyper_rustls;
 pub use rustls;
 pub use tokio_rustls;
+
+mod stream;
+pub use stream::MaybeTls;
 
 #[cfg(feature = "axum")]
 mod listener;

@@ -546,6 +546,33 @@ async fn the_proxy_listener_over_tls() {
         assert_eq!(rec["output_tokens"], 12);
         assert!(rec["ttft_ms"].as_f64().is_some_and(|t| t > 0.0), "{rec}");
     }
+    // `tokenscope bench` against the HTTPS listener, trusting the CA.
+    let out = Command::new(env!("CARGO_BIN_EXE_tokenscope"))
+        .args(["bench", "--target"])
+        .arg(format!("https://localhost:{}", gw.proxy.port()))
+        .arg("--ca-file")
+        .arg(&pki.ca)
+        .args([
+            "--model",
+            "mock-llm",
+            "--rates",
+            "5",
+            "--duration",
+            "1s",
+            "--stream",
+        ])
+        .args(["--output-tokens", "4", "--format", "json"])
+        .env("TOKENSCOPE_LOG", "warn")
+        .output()
+        .expect("run bench");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let levels: Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+    assert!(levels[0]["ok"].as_u64().is_some_and(|n| n > 0), "{levels}");
+    assert_eq!(levels[0]["failed"], 0, "{levels}");
     // Plain HTTP to the TLS listener gets nothing (the handshake fails), and is counted.
     assert!(common::try_get(&gw.url("/v1/models")).await.is_none());
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -27,7 +27,11 @@
 #     the script checks /proc and says whether it took effect; GW_PRIORITY=0 skips it).
 #     With BASE_BIN=PATH that second gateway is instead another build of tokenscope (e.g. the
 #     commit before a change) at the default priority, labelled "baseline": a before/after
-#     comparison of the gateway in one run, both against the same direct rounds;
+#     comparison of the gateway in one run, both against the same direct rounds.
+#     With TLS=1 that second gateway is instead the same build whose default upstream is the
+#     same fast mock over HTTPS (the mock also serves TLS, --tls-listen, one engine behind
+#     both ports; a CA and a certificate for localhost are made with openssl): the added TTFT
+#     with an https:// upstream beside the plain http:// one, against the same direct rounds;
 #  3. `tokenscope bench` at $RATE req/s (constant arrivals, seed 1, the bench's default
 #     prompt mix 80:64-256,20:2048-4096), streamed, $TOKENS output tokens, $DURATION per run:
 #     warm-up (direct, gateway, prioritised gateway), then $PAIRS interleaved rounds (direct,
@@ -48,6 +52,7 @@
 # (default $HOME/.cache/tokenscope), RATE (500), DURATION (4s), WARMUP (10s, each side),
 # TOKENS (100), PAIRS (10, rounds), GW_PRIORITY (-5; 0 = no prioritised gateway),
 # BASE_BIN (a baseline tokenscope binary for the second gateway instead of the prioritised one),
+# TLS (1: the second gateway reaches the mock over HTTPS; wins over BASE_BIN and GW_PRIORITY),
 # STREAMS (1000), MOCK_TIME_SCALE (0), GW_WORKERS (the gateway's --worker-threads; default:
 # its own default), TOKENSCOPE_BIN (use this binary, no build),
 # KEEP=1 keeps the work directory (bench JSON, logs, spans).
@@ -77,7 +82,9 @@ if [ ! -x "$PY" ]; then
   echo "overhead.sh: no $PY; run crates/tokenscope-otlp/scripts/install-python-otel.sh" >&2
   exit 1
 fi
-for tool in jq curl awk getconf; do
+TOOLS="jq curl awk getconf"
+[ "${TLS:-0}" = 1 ] && TOOLS="$TOOLS openssl"
+for tool in $TOOLS; do
   command -v "$tool" >/dev/null || { echo "overhead.sh: $tool is required" >&2; exit 1; }
 done
 
@@ -128,8 +135,24 @@ CLK_TCK="$(getconf CLK_TCK)"
 # ---- processes -------------------------------------------------------------------------------
 log "starting the mock engines, the OTLP sink and the gateway"
 export TOKENSCOPE_LOG=warn
+MOCK_TLS_ARGS=()
+if [ "${TLS:-0}" = 1 ]; then
+  # A CA and a server certificate for localhost / 127.0.0.1 (EC P-256, as rcgen makes them).
+  mkdir -p "$WORK/tls"
+  ( cd "$WORK/tls"
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+      -subj "/CN=overhead test CA" -keyout ca-key.pem -out ca.pem
+    openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes \
+      -subj "/CN=localhost" -keyout server-key.pem -out server.csr
+    printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' >ext.cnf
+    openssl x509 -req -in server.csr -CA ca.pem -CAkey ca-key.pem -CAcreateserial -days 2 \
+      -extfile ext.cnf -out server.pem ) >"$WORK/openssl.log" 2>&1 \
+    || { cat "$WORK/openssl.log" >&2; exit 1; }
+  MOCK_TLS_ARGS=(--tls-cert "$WORK/tls/server.pem" --tls-key "$WORK/tls/server-key.pem"
+    --tls-listen 127.0.0.1:0)
+fi
 "$BIN" mock-engine --listen 127.0.0.1:0 --slots 256 --time-scale "$MOCK_TIME_SCALE" \
-  >"$WORK/mock.out" 2>"$WORK/mock.err" &
+  "${MOCK_TLS_ARGS[@]}" >"$WORK/mock.out" 2>"$WORK/mock.err" &
 MOCK_PID=$!; PIDS+=("$MOCK_PID")
 "$BIN" mock-engine --listen 127.0.0.1:0 --slots 1024 --time-scale 1 --decode-base-ms 500 \
   --prefill-ms-per-token 0 --max-prefill-tokens-per-step 1000000 \
@@ -139,7 +162,10 @@ SLOW_PID=$!; PIDS+=("$SLOW_PID")
   >"$WORK/otlp.out" 2>"$WORK/otlp.err" &
 OTLP_PID=$!; PIDS+=("$OTLP_PID")
 
-MOCK="$(wait_line "$WORK/mock.out" '^tokenscope mock-engine listening on ' | awk '{print $NF}')"
+MOCK="$(wait_line "$WORK/mock.out" '^tokenscope mock-engine listening on [^ ]+$' | awk '{print $NF}')"
+if [ "${TLS:-0}" = 1 ]; then
+  MOCK_TLS="$(wait_line "$WORK/mock.out" 'listening on .* \(https\)$' | awk '{print $(NF-1)}')"
+fi
 SLOW="$(wait_line "$WORK/slow.out" '^tokenscope mock-engine listening on ' | awk '{print $NF}')"
 OTLP_PORT="$(wait_line "$WORK/otlp.out" '^LISTENING ' | awk '{print $2}')"
 
@@ -154,6 +180,20 @@ name = "mock-slow"
 url = "http://$SLOW"
 models = ["slow-*"]
 EOF
+if [ "${TLS:-0}" = 1 ]; then
+  cat >"$WORK/gateway-tls.toml" <<EOF
+[[upstreams]]
+name = "mock"
+url = "https://localhost:${MOCK_TLS##*:}"
+ca_file = "$WORK/tls/ca.pem"
+default = true
+
+[[upstreams]]
+name = "mock-slow"
+url = "http://$SLOW"
+models = ["slow-*"]
+EOF
+fi
 GW_ARGS=()
 [ -n "${GW_WORKERS:-}" ] && GW_ARGS+=(--worker-threads "$GW_WORKERS")
 # start_gateway TAG [ARGS…]: `tokenscope serve` with the shared config and every layer on (its
@@ -162,7 +202,7 @@ start_gateway() {
   local tag=$1 pid ready
   shift
   TOKENSCOPE_SPOOL__DIR="$WORK/spool-$tag" "${GWBIN:-$BIN}" serve "${GW_ARGS[@]}" "$@" \
-    --config "$WORK/gateway.toml" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+    --config "${GWCONF:-$WORK/gateway.toml}" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
     --store "$WORK/ts-$tag.db" \
     --otlp-endpoint "http://127.0.0.1:$OTLP_PORT" --otlp-protocol http --trace-sample-ratio 0.01 \
     >"$WORK/$tag.out" 2>"$WORK/$tag.err" &
@@ -174,12 +214,18 @@ start_gateway() {
 }
 start_gateway GW
 PROXY=$GW_PROXY; ADMIN=$GW_ADMIN
-log "mock http://$MOCK, slow mock http://$SLOW, OTLP sink :$OTLP_PORT, gateway http://$PROXY (admin $ADMIN)"
+log "mock http://$MOCK${MOCK_TLS:+ (and https://$MOCK_TLS)}, slow mock http://$SLOW, OTLP sink :$OTLP_PORT, gateway http://$PROXY (admin $ADMIN)"
 # The prioritised gateway: the same, with --worker-priority.
 SIDES="direct gateway"
 PRIO_NOTE=""
 SECOND_NAME="prioritised gateway"
-if [ -n "${BASE_BIN:-}" ]; then
+if [ "${TLS:-0}" = 1 ]; then
+  SECOND_NAME="https gateway"
+  GWCONF="$WORK/gateway-tls.toml" start_gateway PRIO
+  PRIO_NOTE="the same build, its default upstream the same mock over HTTPS (https://localhost:${MOCK_TLS##*:}, rustls, CA file)"
+  log "https gateway http://$PRIO_PROXY (admin $PRIO_ADMIN) → mock https://$MOCK_TLS"
+  SIDES="direct gateway prio"
+elif [ -n "${BASE_BIN:-}" ]; then
   SECOND_NAME="baseline gateway"
   GWBIN="$BASE_BIN" start_gateway PRIO
   PRIO_NOTE="baseline build \`$("$BASE_BIN" --version 2>/dev/null || echo "$BASE_BIN")\` ($BASE_BIN) at the default priority"
@@ -295,12 +341,12 @@ envv() { awk -F= -v k="$2" '$1==k{print $2}' "$WORK/$1.env"; }
 MIB() { awk -v k="$1" 'BEGIN{printf "%.1f", k/1024}'; }
 yes_no() { if [ "$1" = 1 ]; then echo "**met**"; else echo "**not met**"; fi; }
 
-label() { case $1 in direct) echo "mock";; gateway) echo "gateway → mock";; prio) if [ -n "${BASE_BIN:-}" ]; then echo "baseline gateway → mock"; else echo "gateway (worker_priority $GW_PRIORITY) → mock"; fi;; esac; }
+label() { case $1 in direct) echo "mock";; gateway) echo "gateway → mock";; prio) if [ "${TLS:-0}" = 1 ]; then echo "gateway → https mock"; elif [ -n "${BASE_BIN:-}" ]; then echo "baseline gateway → mock"; else echo "gateway (worker_priority $GW_PRIORITY) → mock"; fi;; esac; }
 GSIDES="${SIDES#direct }"
 {
   echo "Run $(date -u +%Y-%m-%dT%H:%MZ), $(nproc) CPUs ($(awk -F': ' '/^model name/{print $2; exit}' /proc/cpuinfo)), $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+dirty'); load average at the end $(cut -d' ' -f1-3 /proc/loadavg)."
   echo
-  echo "Load: \`tokenscope bench --rates $RATE --duration $DURATION --arrival constant --seed 1 --mix 80:64-256,20:2048-4096 --stream --output-tokens $TOKENS\`, $PAIRS interleaved rounds ($SIDES) after one warm-up round; gateway \`${GW_ARGS[*]:-(default workers)}\`$( [ -n "$PRIO_NOTE" ] && if [ -n "${BASE_BIN:-}" ]; then echo "; second gateway: $PRIO_NOTE"; else echo "; prioritised gateway: the same with \`--worker-priority $GW_PRIORITY\`, $PRIO_NOTE"; fi); mock \`--slots 256 --time-scale $MOCK_TIME_SCALE\`; gateways: SQLite store, metrics, OTLP/HTTP tracing at ratio 0.01 to a local sink. Latencies are client-side, ms."
+  echo "Load: \`tokenscope bench --rates $RATE --duration $DURATION --arrival constant --seed 1 --mix 80:64-256,20:2048-4096 --stream --output-tokens $TOKENS\`, $PAIRS interleaved rounds ($SIDES) after one warm-up round; gateway \`${GW_ARGS[*]:-(default workers)}\`$( [ -n "$PRIO_NOTE" ] && if [ -n "${BASE_BIN:-}" ] || [ "${TLS:-0}" = 1 ]; then echo "; second gateway: $PRIO_NOTE"; else echo "; prioritised gateway: the same with \`--worker-priority $GW_PRIORITY\`, $PRIO_NOTE"; fi); mock \`--slots 256 --time-scale $MOCK_TIME_SCALE\`; gateways: SQLite store, metrics, OTLP/HTTP tracing at ratio 0.01 to a local sink. Latencies are client-side, ms."
   echo
   echo "| run | target | ok / failed / dropped | achieved req/s | TTFT P50 | TTFT P99 | e2e P50 | e2e P99 | gateway CPU (cores) | mock CPU (cores) |"
   echo "|---|---|---|---|---|---|---|---|---|---|"

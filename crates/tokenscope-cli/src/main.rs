@@ -93,8 +93,8 @@ struct ServeArgs {
     #[arg(long, env = "TOKENSCOPE_CONFIG")]
     config: Option<PathBuf>,
     /// Export one OpenTelemetry trace per kept request to this OTLP endpoint
-    /// (`http://HOST:4318` for OTLP/HTTP, `http://HOST:4317` for OTLP/gRPC) [config:
-    /// tracing.otlp_endpoint].
+    /// (`http[s]://HOST:4318` for OTLP/HTTP, `http[s]://HOST:4317` for OTLP/gRPC) [config:
+    /// tracing.otlp_endpoint; env: OTEL_EXPORTER_OTLP_ENDPOINT].
     #[arg(long)]
     otlp_endpoint: Option<String>,
     /// OTLP transport: `http` (protobuf) or `grpc` [default: http].
@@ -180,6 +180,20 @@ struct MockArgs {
     /// admin listener, http://127.0.0.1:9464) [default: off].
     #[arg(long)]
     otlp_endpoint: Option<String>,
+    /// Serve HTTPS with this PEM certificate chain (with --tls-key).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Require client certificates signed by a CA of this PEM file (mutual TLS; with
+    /// --tls-cert).
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// Serve HTTPS on this address and plain HTTP on --listen, one engine behind both (with
+    /// --tls-cert; without it HTTPS is served on --listen).
+    #[arg(long, requires = "tls_cert")]
+    tls_listen: Option<String>,
 }
 
 /// Logs to stderr, filtered by `TOKENSCOPE_LOG` (default `info`), as text or JSON lines.
@@ -244,7 +258,9 @@ async fn serve(args: ServeArgs) -> Result<()> {
         cfg.store = s;
     }
     if let Some(e) = args.otlp_endpoint {
+        // The flag wins over every other source, `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` included.
         cfg.tracing.otlp_endpoint = Some(e);
+        cfg.tracing.otlp_traces_endpoint = None;
     }
     if let Some(p) = args.worker_priority {
         // The runtime's threads got it in `main`; the background runtime derives its own.
@@ -346,10 +362,42 @@ async fn mock_engine(args: MockArgs) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
-    println!(
-        "tokenscope mock-engine listening on {}",
-        listener.local_addr()?
-    );
+    // Certificate files are read before the ready line: a bad file is reported at once.
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(tokenscope_net::server_config(
+            cert,
+            key,
+            args.tls_client_ca.as_deref(),
+            &[b"http/1.1"],
+        )?),
+        _ => None,
+    };
+    let tls_listener = match &args.tls_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding {addr}"))?,
+        ),
+        None => None,
+    };
+    // One line per listener; the first is --listen's.
+    match &tls_listener {
+        Some(t) => {
+            println!(
+                "tokenscope mock-engine listening on {}",
+                listener.local_addr()?
+            );
+            println!(
+                "tokenscope mock-engine listening on {} (https)",
+                t.local_addr()?
+            );
+        }
+        None => println!(
+            "tokenscope mock-engine listening on {}{}",
+            listener.local_addr()?,
+            if tls.is_some() { " (https)" } else { "" }
+        ),
+    }
     let d = tokenscope_mock::MockConfig::default();
     let cfg = tokenscope_mock::MockConfig {
         slots: args.slots,
@@ -367,7 +415,15 @@ async fn mock_engine(args: MockArgs) -> Result<()> {
         otlp_endpoint: args.otlp_endpoint,
         ..d
     };
-    tokenscope_mock::serve(listener, cfg, shutdown_signal()).await?;
+    match (tls, tls_listener) {
+        (Some(tls), Some(secure)) => {
+            tokenscope_mock::serve_tls(secure, tls, Some(listener), cfg, shutdown_signal()).await?
+        }
+        (Some(tls), None) => {
+            tokenscope_mock::serve_tls(listener, tls, None, cfg, shutdown_signal()).await?
+        }
+        (None, _) => tokenscope_mock::serve(listener, cfg, shutdown_signal()).await?,
+    }
     Ok(())
 }
 

@@ -18,8 +18,11 @@
 //!   `connect_timeout_ms=N` (the first contact in [`crate::ClickHouseStore::connect`], default
 //!   5 000) — both milliseconds, or a duration with a unit (`2s`) — `compression=lz4|none` (request/response compression, default `none`). Unknown
 //!   options are refused, so a typo does not silently change behaviour.
-//! * Only plain HTTP is supported (no `https`): put a TLS-terminating proxy or a tunnel in
-//!   front of a remote server.
+//! * TLS: `secure=true` talks HTTPS to the server's `https_port` (default port 8443 then);
+//!   the server's certificate is checked against the system's roots plus `ca_file=PATH` (a PEM
+//!   bundle), and `client_cert=PATH&client_key=PATH` present a client certificate (mutual TLS).
+//!   Paths are percent-decoded like every option. `shards=` addresses use the same scheme and
+//!   TLS settings. The files are read when the store is opened (a bad file refuses the start).
 //!
 //! Invariant: the password is never printed — `Debug` shows `***`, and every error message
 //! built by this crate has it scrubbed.
@@ -31,6 +34,8 @@ use crate::ClickHouseError;
 
 /// Default HTTP port of clickhouse-server.
 pub const DEFAULT_PORT: u16 = 8123;
+/// Default HTTPS port of clickhouse-server (`secure=true`).
+pub const DEFAULT_SECURE_PORT: u16 = 8443;
 /// Default per-request timeout.
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default timeout of the first contact (`SELECT version()` in `connect`).
@@ -66,6 +71,14 @@ pub struct ClickHouseConfig {
     pub request_timeout: Duration,
     /// LZ4-compress request and response bodies.
     pub compression: bool,
+    /// HTTPS (`secure=true`).
+    pub secure: bool,
+    /// PEM CA bundle trusted beside the system's roots (`ca_file=`).
+    pub ca_file: Option<String>,
+    /// PEM client certificate (`client_cert=`, mutual TLS).
+    pub client_cert: Option<String>,
+    /// Its PEM key (`client_key=`).
+    pub client_key: Option<String>,
 }
 
 impl Default for ClickHouseConfig {
@@ -82,6 +95,10 @@ impl Default for ClickHouseConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             compression: false,
+            secure: false,
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
         }
     }
 }
@@ -103,6 +120,9 @@ impl fmt::Debug for ClickHouseConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("request_timeout", &self.request_timeout)
             .field("compression", &self.compression)
+            .field("secure", &self.secure)
+            .field("ca_file", &self.ca_file)
+            .field("client_cert", &self.client_cert)
             .finish()
     }
 }
@@ -117,8 +137,13 @@ impl fmt::Display for ClickHouseConfig {
             self.http_addr(),
             self.database
         )?;
+        let mut sep = '?';
         if let Some(c) = &self.cluster {
-            write!(f, "?cluster={c}")?;
+            write!(f, "{sep}cluster={c}")?;
+            sep = '&';
+        }
+        if self.secure {
+            write!(f, "{sep}secure=true")?;
         }
         Ok(())
     }
@@ -163,7 +188,6 @@ impl ClickHouseConfig {
             return Err(bad("missing host"));
         }
         cfg.host = host;
-        cfg.port = port.unwrap_or(DEFAULT_PORT);
         let db = percent_decode(path.trim_end_matches('/'))
             .ok_or_else(|| bad("bad percent-encoding in database"))?;
         if !db.is_empty() {
@@ -216,11 +240,39 @@ impl ClickHouseConfig {
                         _ => return Err(bad("compression must be lz4 or none")),
                     }
                 }
+                "secure" => {
+                    cfg.secure = match v.as_str() {
+                        "true" | "1" => true,
+                        "false" | "0" => false,
+                        _ => return Err(bad("secure must be true or false")),
+                    }
+                }
+                "ca_file" | "client_cert" | "client_key" if v.is_empty() => {
+                    return Err(bad(&format!("{k} needs a path")))
+                }
+                "ca_file" => cfg.ca_file = Some(v),
+                "client_cert" => cfg.client_cert = Some(v),
+                "client_key" => cfg.client_key = Some(v),
                 other => return Err(bad(&format!("unknown option {other:?}"))),
             }
         }
         if !cfg.shards.is_empty() && cfg.cluster.is_none() {
             return Err(bad("shards= needs cluster="));
+        }
+        cfg.port = port.unwrap_or(if cfg.secure {
+            DEFAULT_SECURE_PORT
+        } else {
+            DEFAULT_PORT
+        });
+        if !cfg.secure
+            && (cfg.ca_file.is_some() || cfg.client_cert.is_some() || cfg.client_key.is_some())
+        {
+            return Err(bad(
+                "ca_file, client_cert and client_key need secure=true (HTTPS)",
+            ));
+        }
+        if cfg.client_cert.is_some() != cfg.client_key.is_some() {
+            return Err(bad("client_cert and client_key go together"));
         }
         Ok(cfg)
     }
@@ -230,9 +282,27 @@ impl ClickHouseConfig {
         join_host_port(&self.host, self.port)
     }
 
-    /// `http://host:port` of the HTTP interface.
+    /// `http://host:port` (or `https://` with `secure=true`) of the HTTP interface.
     pub fn http_url(&self) -> String {
-        format!("http://{}", self.http_addr())
+        self.url_of(&self.http_addr())
+    }
+
+    /// The base URL of the HTTP interface at `addr` (`host:port`): `http://` or, with
+    /// `secure=true`, `https://`.
+    pub fn url_of(&self, addr: &str) -> String {
+        let scheme = if self.secure { "https" } else { "http" };
+        format!("{scheme}://{addr}")
+    }
+
+    /// The TLS settings of `secure=true` (system roots plus `ca_file`, the client certificate),
+    /// the files read now.
+    pub fn tls(&self) -> Result<tokenscope_net::ClientTls, ClickHouseError> {
+        tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions::from_paths(
+            self.ca_file.as_deref(),
+            self.client_cert.as_deref(),
+            self.client_key.as_deref(),
+        ))
+        .map_err(|e| ClickHouseError::InvalidUrl(format!("TLS settings: {e}")))
     }
 
     /// The table rows are written to and read from (`llm_inference_log`; the `Distributed`
@@ -381,6 +451,10 @@ mod tests {
             "clickhouse://u:secretpw@h/db?bogus=1",
             "clickhouse://u:secretpw@h/db?compression=gzip",
             "clickhouse://u:secret%zz@h/db",
+            "clickhouse://u:secretpw@h/db?ca_file=/ca.pem",
+            "clickhouse://u:secretpw@h/db?secure=yes",
+            "clickhouse://u:secretpw@h/db?secure=true&client_cert=/c.pem",
+            "clickhouse://u:secretpw@h/db?secure=true&ca_file=",
         ] {
             let e = ClickHouseConfig::from_url(bad).expect_err(bad);
             let msg = e.to_string();
@@ -395,5 +469,32 @@ mod tests {
         let dbg = format!("{c:?}");
         assert!(!dbg.contains("hunter2") && dbg.contains("***"), "{dbg}");
         assert_eq!(c.to_string(), "clickhouse://ts@h:8123/db");
+    }
+
+    #[test]
+    fn secure_urls() {
+        let c = ClickHouseConfig::from_url(
+            "clickhouse://u:p@ch.example/db?secure=true&ca_file=%2Fetc%2Fch%20ca.pem&client_cert=/c.pem&client_key=/k.pem&cluster=x",
+        )
+        .expect("parse");
+        assert!(c.secure);
+        assert_eq!(c.port, DEFAULT_SECURE_PORT);
+        assert_eq!(c.http_url(), "https://ch.example:8443");
+        assert_eq!(c.ca_file.as_deref(), Some("/etc/ch ca.pem"));
+        assert_eq!(
+            (c.client_cert.as_deref(), c.client_key.as_deref()),
+            (Some("/c.pem"), Some("/k.pem"))
+        );
+        assert_eq!(
+            c.to_string(),
+            "clickhouse://u@ch.example:8443/db?cluster=x&secure=true"
+        );
+        let c = ClickHouseConfig::from_url("clickhouse://h:9443/db?secure=1").expect("parse");
+        assert_eq!(c.http_url(), "https://h:9443");
+        // A CA file that cannot be read is an error naming it, when the store is opened.
+        let c = ClickHouseConfig::from_url("clickhouse://h/db?secure=true&ca_file=/nope/ca.pem")
+            .expect("parse");
+        let err = c.tls().expect_err("missing file").to_string();
+        assert!(err.contains("/nope/ca.pem"), "{err}");
     }
 }

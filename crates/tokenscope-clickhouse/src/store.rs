@@ -44,6 +44,8 @@ const TRACE_LOOKUP_CHUNK: usize = 500;
 struct Inner {
     cfg: ClickHouseConfig,
     client: Client,
+    /// The TLS settings of `secure=true` (also for the shards' clients).
+    tls: tokenscope_net::ClientTls,
     rt: Option<tokio::runtime::Runtime>,
     handle: tokio::runtime::Handle,
     ctx: ErrCtx,
@@ -77,9 +79,28 @@ impl std::fmt::Debug for ClickHouseStore {
     }
 }
 
-fn make_client(cfg: &ClickHouseConfig, addr: &str) -> Client {
-    let mut c = Client::default()
-        .with_url(format!("http://{addr}"))
+/// TCP keepalive of the client's connections (as the `clickhouse` crate's default client).
+const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
+/// Idle connections are dropped after this (the server's `keep_alive_timeout` is 3 s by
+/// default; as the `clickhouse` crate's default client).
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A client of the server at `addr` (`host:port`): `http://`, or `https://` with `tls` when
+/// `secure=true` (tokenscope-net's connector: rustls, the configured CA and client
+/// certificate).
+fn make_client(cfg: &ClickHouseConfig, addr: &str, tls: &tokenscope_net::ClientTls) -> Client {
+    let connector = tokenscope_net::connector(
+        tls,
+        tokenscope_net::ConnectOptions {
+            keepalive: Some(TCP_KEEPALIVE),
+            ..tokenscope_net::ConnectOptions::default()
+        },
+    );
+    let http = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .build(connector);
+    let mut c = Client::with_http_client(http)
+        .with_url(cfg.url_of(addr))
         .with_user(cfg.user.clone())
         .with_validation(false)
         .with_compression(if cfg.compression {
@@ -150,7 +171,8 @@ impl ClickHouseStore {
             user: cfg.user.clone(),
             password: cfg.password.clone(),
         };
-        let client = make_client(&cfg, &cfg.http_addr());
+        let tls = cfg.tls()?;
+        let client = make_client(&cfg, &cfg.http_addr(), &tls);
         let insert_sql = format!(
             "INSERT INTO {} ({}) FORMAT RowBinary",
             cfg.table(),
@@ -159,6 +181,7 @@ impl ClickHouseStore {
         let mut inner = Inner {
             cfg,
             client,
+            tls,
             rt: Some(rt),
             handle,
             ctx,
@@ -275,7 +298,13 @@ impl ClickHouseStore {
             (Some(_), false) => cfg
                 .shards
                 .iter()
-                .map(|a| (make_client(cfg, a), Target::ClusterNode, a.clone()))
+                .map(|a| {
+                    (
+                        make_client(cfg, a, &self.inner.tls),
+                        Target::ClusterNode,
+                        a.clone(),
+                    )
+                })
                 .collect(),
         };
         for (client, target, addr) in nodes {
@@ -581,7 +610,10 @@ impl ClickHouseStore {
         let nodes: Vec<Client> = if cfg.shards.is_empty() {
             vec![self.inner.client.clone()]
         } else {
-            cfg.shards.iter().map(|a| make_client(cfg, a)).collect()
+            cfg.shards
+                .iter()
+                .map(|a| make_client(cfg, a, &self.inner.tls))
+                .collect()
         };
         let on_cluster = match (&cfg.cluster, cfg.shards.is_empty()) {
             (Some(c), true) => format!(" ON CLUSTER {c}"),

@@ -111,9 +111,17 @@ pub struct ServerBuilder {
     /// `(cluster name, tcp ports of its shards)`.
     cluster: Option<(String, Vec<u16>)>,
     ports: Option<(u16, u16)>,
+    /// `(certificate, key)` PEM files: the server also listens on an `https_port`.
+    https: Option<(PathBuf, PathBuf)>,
 }
 
 impl ServerBuilder {
+    /// Also serves HTTPS (`https_port`) with this PEM certificate chain and key.
+    pub fn https(mut self, cert: &Path, key: &Path) -> Self {
+        self.https = Some((cert.to_owned(), key.to_owned()));
+        self
+    }
+
     /// Adds a user with a password (the first one added is the user of [`ClickHouseServer::url`]).
     pub fn user(mut self, name: &str, password: &str) -> Self {
         self.users.push((name.to_owned(), password.to_owned()));
@@ -151,12 +159,17 @@ impl ServerBuilder {
             .get(1)
             .map_or("default", |(u, _)| u.as_str())
             .to_owned();
+        let https = match self.https {
+            Some((c, k)) => Some((free_port()?, c, k)),
+            None => None,
+        };
         let mut s = ClickHouseServer {
             child: None,
             binary,
             dir,
             http_port,
             tcp_port,
+            https,
             users,
             url_user,
             cluster: self.cluster,
@@ -176,12 +189,19 @@ pub struct ClickHouseServer {
     dir: tempfile::TempDir,
     http_port: u16,
     tcp_port: u16,
+    /// `(https_port, certificate, key)`.
+    https: Option<(u16, PathBuf, PathBuf)>,
     users: Vec<(String, String)>,
     url_user: String,
     cluster: Option<(String, Vec<u16>)>,
 }
 
 impl ClickHouseServer {
+    /// The HTTPS port, when started with [`ServerBuilder::https`].
+    pub fn https_port(&self) -> Option<u16> {
+        self.https.as_ref().map(|(p, _, _)| *p)
+    }
+
     /// A server with only the passwordless `default` user.
     pub fn start() -> Result<Self, HarnessError> {
         Self::builder().start()
@@ -263,9 +283,22 @@ impl ClickHouseServer {
                 format!("<remote_servers><{name}>{shards}</{name}></remote_servers>")
             }
         };
+        let https = match &self.https {
+            None => String::new(),
+            Some((port, cert, key)) => format!(
+                "<https_port>{port}</https_port>\n  <openSSL><server><certificateFile>{}</certificateFile>\
+                 <privateKeyFile>{}</privateKeyFile><verificationMode>none</verificationMode>\
+                 <loadDefaultCAFile>false</loadDefaultCAFile><cacheSessions>true</cacheSessions>\
+                 <disableProtocols>sslv2,sslv3</disableProtocols><preferServerCiphers>true</preferServerCiphers>\
+                 </server></openSSL>",
+                xml_escape(&cert.display().to_string()),
+                xml_escape(&key.display().to_string()),
+            ),
+        };
         let xml = format!(
             r#"<?xml version="1.0"?>
 <yandex>
+  {https}
   <logger><level>information</level><log>{d}/server.log</log><errorlog>{d}/server.err.log</errorlog><size>20M</size><count>1</count><console>0</console></logger>
   <http_port>{http}</http_port>
   <tcp_port>{tcp}</tcp_port>

@@ -751,3 +751,35 @@ fn v2_table_gains_client_request_id_and_keeps_its_rows() {
     // Migrating again is a no-op.
     assert_eq!(store.migrate().expect("migrate again"), SCHEMA_VERSION);
 }
+
+/// `secure=true`: rows go over HTTPS to the server's `https_port`, its certificate checked
+/// against `ca_file`; without that CA the store refuses to open, naming the certificate.
+#[test]
+fn https_with_a_ca_file() {
+    if !clickhouse_or_skip() {
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pki = tokenscope_net::test_util::TestPki::generate(dir.path()).expect("pki");
+    let srv = ClickHouseServer::builder()
+        .https(&pki.server_cert, &pki.server_key)
+        .start()
+        .expect("clickhouse-server with https");
+    let port = srv.https_port().expect("https port");
+    let ca = pki.ca.display().to_string().replace('/', "%2F");
+    let url = format!("clickhouse://default@localhost:{port}/default?secure=true&ca_file={ca}");
+    let store = connect(&url);
+    store.insert(&batch("tls", 3)).expect("insert over https");
+    assert_eq!(
+        srv.query("SELECT count() FROM default.llm_inference_log WHERE request_id LIKE 'tls%'")
+            .trim(),
+        "3"
+    );
+    // The system roots alone do not trust the test CA.
+    let untrusted = ClickHouseConfig::from_url(&format!(
+        "clickhouse://default@localhost:{port}/default?secure=true&connect_timeout_ms=5000"
+    ))
+    .expect("url");
+    let err = ClickHouseStore::connect(untrusted).expect_err("untrusted certificate");
+    assert!(err.to_string().contains("UnknownIssuer"), "{err}");
+}

@@ -16,8 +16,14 @@ use tokenscope_core::redact_url;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AlertsSection {
-    /// `http://HOST:PORT/api/v2/alerts` (Alertmanager) or any receiver of that format.
+    /// `http[s]://HOST:PORT/api/v2/alerts` (Alertmanager) or any receiver of that format.
     pub webhook_url: Option<String>,
+    /// `https://` webhooks: a PEM CA bundle trusted beside the system's roots.
+    pub webhook_ca_file: Option<String>,
+    /// A PEM client certificate for a webhook that asks for one (mutual TLS).
+    pub webhook_client_cert: Option<String>,
+    /// The PEM key of `webhook_client_cert`.
+    pub webhook_client_key: Option<String>,
     /// How often the conditions are evaluated (default `15s`).
     pub evaluation_interval: DurationSetting,
     /// Time allowed for one POST (default `5s`).
@@ -38,6 +44,9 @@ impl Default for AlertsSection {
     fn default() -> Self {
         Self {
             webhook_url: None,
+            webhook_ca_file: None,
+            webhook_client_cert: None,
+            webhook_client_key: None,
             evaluation_interval: DurationSetting::Text("15s".into()),
             webhook_timeout: DurationSetting::Text("5s".into()),
             repeat_interval: None,
@@ -60,6 +69,12 @@ pub struct AlertSettings {
     pub timeout: Duration,
     /// Re-send period of firing alerts.
     pub repeat: Option<Duration>,
+    /// `webhook_ca_file` (`https://` webhooks).
+    pub ca_file: Option<String>,
+    /// `webhook_client_cert`.
+    pub client_cert: Option<String>,
+    /// `webhook_client_key`.
+    pub client_key: Option<String>,
 }
 
 impl AlertsSection {
@@ -89,17 +104,25 @@ impl AlertsSection {
         let uri: http::Uri = url
             .parse()
             .map_err(|e| invalid(format!("webhook_url {:?}: {e}", redact_url(url))))?;
-        if uri.scheme_str() != Some("http") || uri.host().is_none() {
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
             return Err(invalid(format!(
-                "webhook_url {:?}: only http://HOST[:PORT]/PATH is supported",
+                "webhook_url {:?}: only http[s]://HOST[:PORT]/PATH is supported",
                 redact_url(url)
             )));
         }
+        crate::check_pair(
+            "alerts (webhook_client_cert / webhook_client_key)",
+            self.webhook_client_cert.as_deref(),
+            self.webhook_client_key.as_deref(),
+        )?;
         Ok(Some(AlertSettings {
             url: uri,
             interval,
             timeout,
             repeat,
+            ca_file: self.webhook_ca_file.clone(),
+            client_cert: self.webhook_client_cert.clone(),
+            client_key: self.webhook_client_key.clone(),
         }))
     }
 
@@ -118,10 +141,23 @@ mod tests {
         let s = AlertsSection::default();
         assert!(s.settings().expect("valid").is_none());
         let s = AlertsSection {
-            webhook_url: Some("https://am:9093/api/v2/alerts".into()),
+            webhook_url: Some("ftp://am:9093/api/v2/alerts".into()),
             ..AlertsSection::default()
         };
         assert!(s.validate().is_err());
+        let s = AlertsSection {
+            webhook_url: Some("https://am:9093/api/v2/alerts".into()),
+            webhook_ca_file: Some("/ca.pem".into()),
+            ..AlertsSection::default()
+        };
+        let set = s.settings().expect("https").expect("on");
+        assert_eq!(set.ca_file.as_deref(), Some("/ca.pem"));
+        let s = AlertsSection {
+            webhook_url: Some("https://am:9093/api/v2/alerts".into()),
+            webhook_client_key: Some("/k.pem".into()),
+            ..AlertsSection::default()
+        };
+        assert!(s.validate().is_err(), "a key without its certificate");
         let s = AlertsSection {
             webhook_url: Some("http://am:9093/api/v2/alerts".into()),
             evaluation_interval: DurationSetting::Text("0s".into()),

@@ -170,6 +170,17 @@ impl Layers {
         self
     }
 
+    /// Adds the settings of the OpenTelemetry exporter variables ([`crate::otel::settings`]),
+    /// in their order: a later one replaces an earlier one at the same key, and the
+    /// `TOKENSCOPE_*` environment added after them replaces both.
+    pub fn otel(mut self, settings: Vec<crate::otel::OtelSetting>) -> Self {
+        for s in settings {
+            let origin = Origin::Env(s.var);
+            set(&mut self.root, &s.path, Node::Env(s.value), &origin);
+        }
+        self
+    }
+
     /// Deserializes the merged tree into `T` (missing keys: `T`'s serde defaults).
     pub fn extract<T: DeserializeOwned>(&self) -> Result<T, LayerError> {
         T::deserialize(NodeDe {

@@ -6,7 +6,8 @@
 //! nothing that runs: the gateway, the CLI's analyses and the rule export all read it.
 //!
 //! * [`layer`] — defaults → `--config FILE` → `TOKENSCOPE_*` environment, merged and
-//!   deserialized with the origin of every value.
+//!   deserialized with the origin of every value; [`otel`] — the standard
+//!   `OTEL_EXPORTER_OTLP_*` variables as a layer of `[tracing]` (below `TOKENSCOPE_*`).
 //! * [`alerts`] — `[alerts]`; [`auth`] — `[admin]`, `[dashboard]` and their token checks.
 //!
 //! Precedence (lowest first): built-in defaults → `--config FILE` → environment → command-line
@@ -35,6 +36,7 @@ pub mod alerts;
 pub mod auth;
 pub mod credentials;
 pub mod layer;
+pub mod otel;
 
 pub use alerts::{AlertSettings, AlertsSection};
 pub use auth::{AdminSection, DashboardSection};
@@ -211,13 +213,18 @@ impl DurationSetting {
 }
 
 /// `[tracing]`: one OpenTelemetry trace per request, tail-sampled, exported over OTLP.
-/// Off unless `otlp_endpoint` is set.
-#[derive(Debug, Clone, Deserialize)]
+/// Off unless `otlp_endpoint` (or `otlp_traces_endpoint`) is set. The standard
+/// `OTEL_EXPORTER_OTLP_*` variables set these keys too ([`otel`]).
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TracingSection {
-    /// `http://HOST:4318` (OTLP/HTTP) or `http://HOST:4317` (OTLP/gRPC).
+    /// `http[s]://HOST:4318` (OTLP/HTTP; `/v1/traces` is appended unless the path ends with
+    /// it) or `http[s]://HOST:4317` (OTLP/gRPC). `OTEL_EXPORTER_OTLP_ENDPOINT`.
     pub otlp_endpoint: Option<String>,
-    /// `http` (protobuf over HTTP) or `grpc`.
+    /// The full OTLP/HTTP traces URL, used as is (no `/v1/traces` appended); when set it is used
+    /// instead of `otlp_endpoint`. `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`.
+    pub otlp_traces_endpoint: Option<String>,
+    /// `http` (also `http/protobuf`: protobuf over HTTP) or `grpc`.
     pub otlp_protocol: String,
     /// Fraction of the requests not kept for another reason that are kept anyway.
     pub sample_ratio: f64,
@@ -237,14 +244,51 @@ pub struct TracingSection {
     pub batch_timeout: DurationSetting,
     /// Time allowed for one batch, retries included.
     pub export_timeout: DurationSetting,
-    /// Extra export headers (gRPC metadata), e.g. `authorization`.
+    /// Extra export headers (gRPC metadata), e.g. `authorization`. Values are never logged.
     pub headers: std::collections::BTreeMap<String, String>,
+    /// PEM CA bundle trusted for an `https://` endpoint, beside the system's roots.
+    pub ca_file: Option<String>,
+    /// PEM client certificate for a collector that asks for one (mutual TLS).
+    pub client_cert: Option<String>,
+    /// PEM key of `client_cert`.
+    pub client_key: Option<String>,
+}
+
+impl std::fmt::Debug for TracingSection {
+    /// Header values are secrets (API keys): only their names are shown.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TracingSection")
+            .field(
+                "otlp_endpoint",
+                &self.otlp_endpoint.as_deref().map(redact_url),
+            )
+            .field(
+                "otlp_traces_endpoint",
+                &self.otlp_traces_endpoint.as_deref().map(redact_url),
+            )
+            .field("otlp_protocol", &self.otlp_protocol)
+            .field("sample_ratio", &self.sample_ratio)
+            .field("slow_threshold", &self.slow_threshold)
+            .field("slow_above_p99", &self.slow_above_p99)
+            .field("p99_min_samples", &self.p99_min_samples)
+            .field("service_name", &self.service_name)
+            .field("queue_spans", &self.queue_spans)
+            .field("batch_spans", &self.batch_spans)
+            .field("batch_timeout", &self.batch_timeout)
+            .field("export_timeout", &self.export_timeout)
+            .field("headers", &self.headers.keys().collect::<Vec<_>>())
+            .field("ca_file", &self.ca_file)
+            .field("client_cert", &self.client_cert)
+            .field("client_key", &self.client_key)
+            .finish()
+    }
 }
 
 impl Default for TracingSection {
     fn default() -> Self {
         Self {
             otlp_endpoint: None,
+            otlp_traces_endpoint: None,
             otlp_protocol: "http".into(),
             sample_ratio: 0.01,
             slow_threshold: None,
@@ -256,16 +300,61 @@ impl Default for TracingSection {
             batch_timeout: DurationSetting::Millis(1000),
             export_timeout: DurationSetting::Millis(10_000),
             headers: std::collections::BTreeMap::new(),
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
         }
+    }
+}
+
+/// Checks that a certificate and its key are given together (`what` names the section).
+fn check_pair(what: &str, cert: Option<&str>, key: Option<&str>) -> Result<(), ConfigError> {
+    let set = |v: Option<&str>| v.is_some_and(|v| !v.trim().is_empty());
+    match (set(cert), set(key)) {
+        (true, false) => Err(ConfigError::Invalid(format!(
+            "{what}: client_cert is set but client_key is not (a client certificate needs its key)"
+        ))),
+        (false, true) => Err(ConfigError::Invalid(format!(
+            "{what}: client_key is set but client_cert is not"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Checks that `url` is an absolute `http://` or `https://` URL with a host.
+fn check_http_url(what: &str, url: &str) -> Result<http::Uri, ConfigError> {
+    let shown = redact_url(url);
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| ConfigError::Invalid(format!("{what} {shown:?}: {e}")))?;
+    match uri.scheme_str() {
+        Some("http" | "https") if uri.host().is_some() => Ok(uri),
+        Some("http" | "https") => Err(ConfigError::Invalid(format!("{what} {shown:?}: no host"))),
+        Some(other) => Err(ConfigError::Invalid(format!(
+            "{what} {shown:?}: the scheme {other:?} is not supported; use http:// or https://"
+        ))),
+        None => Err(ConfigError::Invalid(format!(
+            "{what} {shown:?}: expected an absolute http:// or https:// URL"
+        ))),
     }
 }
 
 impl TracingSection {
     /// Whether traces are exported.
     pub fn enabled(&self) -> bool {
-        self.otlp_endpoint
-            .as_deref()
-            .is_some_and(|e| !e.trim().is_empty())
+        self.endpoint().is_some()
+    }
+
+    /// The endpoint traces are exported to and whether it is used as is (`true`:
+    /// `otlp_traces_endpoint`) or as a base URL (`false`: `otlp_endpoint`, OTLP/HTTP appends
+    /// `/v1/traces`).
+    pub fn endpoint(&self) -> Option<(&str, bool)> {
+        fn set(e: &Option<String>) -> Option<&str> {
+            e.as_deref().map(str::trim).filter(|e| !e.is_empty())
+        }
+        set(&self.otlp_traces_endpoint)
+            .map(|e| (e, true))
+            .or_else(|| set(&self.otlp_endpoint).map(|e| (e, false)))
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -290,30 +379,35 @@ impl TracingSection {
         if self.queue_spans == 0 || self.batch_spans == 0 {
             return bad("queue_spans and batch_spans must be > 0".into());
         }
-        if !matches!(
-            self.otlp_protocol.to_ascii_lowercase().as_str(),
-            "http" | "grpc"
-        ) {
-            return bad(format!(
-                "otlp_protocol = {:?}: use \"http\" or \"grpc\"",
-                self.otlp_protocol
-            ));
-        }
-        if let Some(ep) = self
-            .otlp_endpoint
-            .as_deref()
-            .filter(|e| !e.trim().is_empty())
-        {
-            let shown = redact_url(ep);
-            let uri: http::Uri = ep.parse().map_err(|e| {
-                ConfigError::Invalid(format!("tracing: otlp_endpoint {shown:?}: {e}"))
-            })?;
-            if uri.scheme_str() != Some("http") || uri.host().is_none() {
+        match self.otlp_protocol.trim().to_ascii_lowercase().as_str() {
+            "http" | "http/protobuf" | "grpc" => {}
+            "http/json" => {
+                return bad(
+                    "otlp_protocol = \"http/json\" is not supported; use \"http/protobuf\" \
+                     (or \"http\") or \"grpc\""
+                        .into(),
+                )
+            }
+            _ => {
                 return bad(format!(
-                    "otlp_endpoint {shown:?}: expected http://HOST:PORT (https is not supported; send to a local collector)"
-                ));
+                    "otlp_protocol = {:?}: use \"http\" (http/protobuf) or \"grpc\"",
+                    self.otlp_protocol
+                ))
             }
         }
+        for (key, ep) in [
+            ("otlp_endpoint", &self.otlp_endpoint),
+            ("otlp_traces_endpoint", &self.otlp_traces_endpoint),
+        ] {
+            if let Some(ep) = ep.as_deref().filter(|e| !e.trim().is_empty()) {
+                check_http_url(&format!("tracing: {key}"), ep.trim())?;
+            }
+        }
+        check_pair(
+            "tracing",
+            self.client_cert.as_deref(),
+            self.client_key.as_deref(),
+        )?;
         Ok(())
     }
 }
@@ -375,6 +469,16 @@ pub struct UpstreamConfig {
     /// The longest ejection, ms.
     #[serde(default = "default_eject_max_ms")]
     pub eject_max_ms: u64,
+    /// `https://` upstreams: a PEM CA bundle trusted beside the system's roots (the requests,
+    /// the pass-through, the metrics scrape and the `/v1/models` fetch of this upstream).
+    #[serde(default)]
+    pub ca_file: Option<String>,
+    /// `https://` upstreams asking for a client certificate (mutual TLS): its PEM chain.
+    #[serde(default)]
+    pub client_cert: Option<String>,
+    /// The PEM key of `client_cert`.
+    #[serde(default)]
+    pub client_key: Option<String>,
 }
 
 fn default_scrape_interval_ms() -> u64 {
@@ -450,7 +554,7 @@ impl UpstreamConfig {
         Duration::from_millis(self.eject_max_ms.max(self.eject_ms))
     }
 
-    /// Checks `url` / `urls`: exactly one of them, every URL an `http://` URL with a host,
+    /// Checks `url` / `urls`: exactly one of them, every URL an `http://` or `https://` URL with a host,
     /// no replica twice, and no `metrics_url` beside several replicas.
     fn validate(&self) -> Result<(), ConfigError> {
         let name = &self.name;
@@ -462,19 +566,7 @@ impl UpstreamConfig {
         }
         let mut seen = std::collections::HashSet::new();
         for url in self.replica_urls() {
-            let uri: http::Uri = match url.parse() {
-                Ok(u) => u,
-                Err(e) => return bad(format!("url {}: {e}", redact_url(url))),
-            };
-            if uri.scheme_str() != Some("http") {
-                return bad(format!(
-                    "only http:// upstreams are supported (got {})",
-                    redact_url(url)
-                ));
-            }
-            if uri.host().is_none_or(str::is_empty) {
-                return bad(format!("url {} has no host", redact_url(url)));
-            }
+            check_http_url(&format!("upstream {name:?} url"), url)?;
             if !seen.insert(replica_name(url)) {
                 return bad(format!("replica {} is listed twice", replica_name(url)));
             }
@@ -563,12 +655,28 @@ impl Default for LimitsSection {
     }
 }
 
+/// `[listen_tls]`: the proxy listener serves HTTPS (HTTP/1.1 and HTTP/2 by ALPN) instead of
+/// plain HTTP. The files are read at start-up; a bad one refuses the start.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ListenTlsSection {
+    /// PEM certificate chain of the listener (leaf first).
+    pub cert_file: String,
+    /// Its PEM private key.
+    pub key_file: String,
+    /// Require client certificates signed by a CA of this PEM file (mutual TLS).
+    #[serde(default)]
+    pub client_ca_file: Option<String>,
+}
+
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GatewayConfig {
     /// Proxy listener.
     pub listen: String,
+    /// Serve the proxy listener over TLS (`[listen_tls]`); unset = plain HTTP.
+    pub listen_tls: Option<ListenTlsSection>,
     /// Admin listener (`/metrics`, admin API). Localhost by default.
     pub admin_listen: String,
     /// Store: a SQLite file path (embedded, default `./tokenscope.db`; `sqlite://PATH` also
@@ -652,6 +760,7 @@ impl Default for GatewayConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:4000".into(),
+            listen_tls: None,
             admin_listen: "127.0.0.1:9464".into(),
             store: "./tokenscope.db".into(),
             max_body_bytes: 10 * 1024 * 1024,
@@ -731,7 +840,9 @@ impl GatewayConfig {
                 true
             })
             .collect();
-        layers = layers.env(env, Self::keys());
+        // The standard OTLP exporter variables, below `TOKENSCOPE_*` (module `otel`).
+        let otel = otel::settings(&env).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        layers = layers.otel(otel).env(env, Self::keys());
         let mut cfg: GatewayConfig = layers.extract()?;
         if let Some(url) = upstream_env {
             cfg.set_single_upstream(&url);
@@ -764,6 +875,9 @@ impl GatewayConfig {
             headers: std::collections::BTreeMap::new(),
             eject_ms: default_eject_ms(),
             eject_max_ms: default_eject_max_ms(),
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
         }];
     }
 
@@ -808,6 +922,8 @@ impl GatewayConfig {
         for u in &self.upstreams {
             u.validate()?;
             credentials::validate(u).map_err(ConfigError::Invalid)?;
+            let what = format!("upstream {:?}", u.name);
+            check_pair(&what, u.client_cert.as_deref(), u.client_key.as_deref())?;
         }
         self.tracing.validate()?;
         self.alerts.validate()?;
@@ -940,8 +1056,11 @@ tenant = "search"
         );
         let env = vec![("TOKENSCOPE_LISTEN".to_string(), "nope".to_string())];
         assert!(GatewayConfig::load_with_env(None, env).is_err());
+        let env = vec![("TOKENSCOPE_UPSTREAM".to_string(), "ftp://x".to_string())];
+        let err = GatewayConfig::load_with_env(None, env).expect_err("ftp");
+        assert!(err.to_string().contains("use http:// or https://"), "{err}");
         let env = vec![("TOKENSCOPE_UPSTREAM".to_string(), "https://x".to_string())];
-        assert!(GatewayConfig::load_with_env(None, env).is_err());
+        assert!(GatewayConfig::load_with_env(None, env).is_ok(), "https");
         for (v, ok) in [
             ("-20", true),
             ("19", true),
@@ -1009,10 +1128,12 @@ tenant = "search"
             ("TOKENSCOPE_TRACING__SAMPLE_RATIO", "1.5"),
             ("TOKENSCOPE_TRACING__SLOW_THRESHOLD", "soon"),
             ("TOKENSCOPE_TRACING__OTLP_PROTOCOL", "thrift"),
-            (
-                "TOKENSCOPE_TRACING__OTLP_ENDPOINT",
-                "https://collector:4318",
-            ),
+            ("TOKENSCOPE_TRACING__OTLP_PROTOCOL", "http/json"),
+            ("TOKENSCOPE_TRACING__OTLP_ENDPOINT", "unix:///run/otel.sock"),
+            ("TOKENSCOPE_TRACING__OTLP_TRACES_ENDPOINT", "collector:4318"),
+            ("TOKENSCOPE_TRACING__CLIENT_CERT", "/c.pem"),
+            ("OTEL_EXPORTER_OTLP_HEADERS", "novalue"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json"),
             ("TOKENSCOPE_TRACING__QUEUE_SPANS", "0"),
         ] {
             assert!(
@@ -1020,6 +1141,155 @@ tenant = "search"
                 "{bad:?} must be refused"
             );
         }
+    }
+
+    #[test]
+    fn otel_exporter_variables_are_a_layer_below_tokenscope_ones() {
+        let mut f = tempfile::NamedTempFile::new().expect("tmp");
+        writeln!(
+            f,
+            "[tracing]\notlp_endpoint = \"http://file:4318\"\nexport_timeout = \"3s\"\n\
+             [tracing.headers]\nx-team = \"infra\"\nauthorization = \"file\""
+        )
+        .expect("write");
+        let cfg = GatewayConfig::load_with_env(
+            Some(f.path()),
+            vars(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "https://collector:4318"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+                ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc"),
+                (
+                    "OTEL_EXPORTER_OTLP_HEADERS",
+                    "authorization=Bearer%20env,x-a=1",
+                ),
+                ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/etc/otel/ca.pem"),
+                ("OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "/etc/otel/c.pem"),
+                ("OTEL_EXPORTER_OTLP_CLIENT_KEY", "/etc/otel/k.pem"),
+                ("OTEL_EXPORTER_OTLP_TIMEOUT", "2500"),
+                ("TOKENSCOPE_TRACING__HEADERS__X_A", "2"),
+            ]),
+        )
+        .expect("valid");
+        let t = &cfg.tracing;
+        // The environment wins over the file; the traces-specific variable over the generic.
+        assert_eq!(t.endpoint(), Some(("https://collector:4318", false)));
+        assert_eq!(t.otlp_protocol, "grpc");
+        assert_eq!(t.export_timeout.get(), Ok(Duration::from_millis(2500)));
+        assert_eq!(t.ca_file.as_deref(), Some("/etc/otel/ca.pem"));
+        assert_eq!(t.client_cert.as_deref(), Some("/etc/otel/c.pem"));
+        assert_eq!(t.client_key.as_deref(), Some("/etc/otel/k.pem"));
+        let h: Vec<(&str, &str)> = t
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        // Merged by name; `TOKENSCOPE_TRACING__HEADERS__X_A` sets `x_a` (the variable's own
+        // spelling), beside the OTLP list's `x-a`.
+        assert_eq!(
+            h,
+            [
+                ("authorization", "Bearer env"),
+                ("x-a", "1"),
+                ("x-team", "infra"),
+                ("x_a", "2")
+            ]
+        );
+        // Header values never appear in the section's Debug output.
+        let dbg = format!("{t:?}");
+        assert!(
+            !dbg.contains("Bearer") && dbg.contains("authorization"),
+            "{dbg}"
+        );
+        // The traces endpoint is used as is, and wins over the generic one.
+        let cfg = GatewayConfig::load_with_env(
+            None,
+            vars(&[
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://a:4318"),
+                (
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                    "https://b/custom/traces",
+                ),
+            ]),
+        )
+        .expect("valid");
+        assert_eq!(
+            cfg.tracing.endpoint(),
+            Some(("https://b/custom/traces", true))
+        );
+        // An error names the variable, never a header value.
+        let err = GatewayConfig::load_with_env(
+            None,
+            vars(&[("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "ok=1,secretvalue")]),
+        )
+        .expect_err("malformed")
+        .to_string();
+        assert!(
+            err.contains("OTEL_EXPORTER_OTLP_TRACES_HEADERS") && !err.contains("secretvalue"),
+            "{err}"
+        );
+        let err =
+            GatewayConfig::load_with_env(None, vars(&[("OTEL_EXPORTER_OTLP_TIMEOUT", "soon")]))
+                .expect_err("not a timeout")
+                .to_string();
+        assert!(err.contains("OTEL_EXPORTER_OTLP_TIMEOUT"), "{err}");
+    }
+
+    #[test]
+    fn listen_tls_from_env() {
+        let cfg = GatewayConfig::load_with_env(
+            None,
+            vars(&[
+                ("TOKENSCOPE_LISTEN_TLS__CERT_FILE", "/c.pem"),
+                ("TOKENSCOPE_LISTEN_TLS__KEY_FILE", "/k.pem"),
+            ]),
+        )
+        .expect("valid");
+        assert_eq!(
+            cfg.listen_tls,
+            Some(ListenTlsSection {
+                cert_file: "/c.pem".into(),
+                key_file: "/k.pem".into(),
+                client_ca_file: None,
+            })
+        );
+        assert!(GatewayConfig::default().listen_tls.is_none());
+        let err = GatewayConfig::load_with_env(
+            None,
+            vars(&[("TOKENSCOPE_LISTEN_TLS__CERT_FILE", "/c.pem")]),
+        )
+        .expect_err("no key");
+        assert!(err.to_string().contains("key_file"), "{err}");
+    }
+
+    #[test]
+    fn upstream_tls_keys() {
+        let mut f = tempfile::NamedTempFile::new().expect("tmp");
+        writeln!(
+            f,
+            "[[upstreams]]\nname = \"a\"\nurl = \"https://engine:8443\"\nca_file = \"/ca.pem\"\n\
+             client_cert = \"/c.pem\"\nclient_key = \"/k.pem\""
+        )
+        .expect("write");
+        let cfg = GatewayConfig::load_with_env(Some(f.path()), Vec::new()).expect("valid");
+        let u = &cfg.upstreams[0];
+        assert_eq!(u.ca_file.as_deref(), Some("/ca.pem"));
+        assert_eq!(
+            (u.client_cert.as_deref(), u.client_key.as_deref()),
+            (Some("/c.pem"), Some("/k.pem"))
+        );
+        let mut f = tempfile::NamedTempFile::new().expect("tmp");
+        writeln!(
+            f,
+            "[[upstreams]]\nname = \"a\"\nurl = \"https://engine:8443\"\nclient_cert = \"/c.pem\""
+        )
+        .expect("write");
+        let err = GatewayConfig::load_with_env(Some(f.path()), Vec::new())
+            .expect_err("half a pair")
+            .to_string();
+        assert!(
+            err.contains("upstream \"a\"") && err.contains("client_key is not"),
+            "{err}"
+        );
     }
 
     #[test]

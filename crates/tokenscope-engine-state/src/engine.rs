@@ -361,6 +361,8 @@ pub struct EngineTarget {
     /// One replica of an upstream with several (the `replica` label, its `host:port`); `None`
     /// gives the series no `replica` label.
     pub replica: Option<String>,
+    /// Trust roots and client certificate for `https://` metrics URLs (the upstream's).
+    pub tls: tokenscope_net::ClientTls,
 }
 
 impl EngineTarget {
@@ -372,6 +374,7 @@ impl EngineTarget {
             metrics_url: None,
             kind: EngineKind::Auto,
             replica: None,
+            tls: tokenscope_net::ClientTls::system(),
         }
     }
 
@@ -411,7 +414,7 @@ pub(crate) fn parse_http_url(url: &str) -> Result<Uri, TargetError> {
             reason: e.to_string(),
         })?;
     match uri.scheme_str() {
-        Some("http") => {}
+        Some("http" | "https") => {}
         Some(_) => return Err(TargetError::UnsupportedScheme { url: redacted(url) }),
         None => {
             return Err(TargetError::InvalidUrl {
@@ -493,7 +496,7 @@ impl EngineStateHandle {
         let handle = Self::idle(target.name, target.replica, Some(url));
         let weak = Arc::downgrade(&handle.shared);
         let stop = handle.shared.cell.stop.clone();
-        runtime.spawn(run(weak, stop, uri, target.kind, config));
+        runtime.spawn(run(weak, stop, uri, target.kind, target.tls, config));
         Ok(handle)
     }
 
@@ -573,9 +576,10 @@ async fn run(
     stop: tokio_util::sync::CancellationToken,
     uri: Uri,
     hint: EngineKind,
+    tls: tokenscope_net::ClientTls,
     config: ScrapeConfig,
 ) {
-    let client = fetch::client(config.timeout);
+    let client = fetch::client(config.timeout, &tls);
     let shown = redacted(&uri.to_string());
     let mut window = PrefixWindow::default();
     let mut failing = false;
@@ -643,7 +647,7 @@ mod tests {
             redacted("http://10.0.0.1:8000/m?a=b@c"),
             "http://10.0.0.1:8000/m?a=b@c"
         );
-        let err = parse_http_url("https://ops:s3cret@h/metrics").expect_err("https");
+        let err = parse_http_url("ftp://ops:s3cret@h/metrics").expect_err("ftp");
         assert!(!err.to_string().contains("s3cret"), "{err}");
     }
 
@@ -804,7 +808,7 @@ mod tests {
         t.metrics_url = Some("http://127.0.0.1:9000/m".to_owned());
         assert_eq!(t.scrape_url().as_deref(), Some("http://127.0.0.1:9000/m"));
         assert!(matches!(
-            parse_http_url("https://api.example/metrics"),
+            parse_http_url("ftp://api.example/metrics"),
             Err(TargetError::UnsupportedScheme { .. })
         ));
         assert!(matches!(
@@ -812,5 +816,6 @@ mod tests {
             Err(TargetError::InvalidUrl { .. })
         ));
         assert!(parse_http_url("http://127.0.0.1:1/metrics").is_ok());
+        assert!(parse_http_url("https://engine.example/metrics").is_ok());
     }
 }

@@ -4,27 +4,33 @@
 //! * The whole exchange (connect, headers, body) is bounded by one timeout; the body is read
 //!   up to a byte limit and refused past it, so a misbehaving endpoint cannot stall a scraper
 //!   or grow its memory.
-//! * Plain `http://` only: the workspace's client carries no TLS connector. An `https://` URL
-//!   is refused when a target is built ([`crate::TargetError::UnsupportedScheme`]), not at every
-//!   scrape.
+//! * `http://` and `https://` (tokenscope-net's connector: rustls, the target's CA file and
+//!   client certificate, or the system's roots); the timeout covers the TLS handshake too.
+//!   Another scheme is refused when a target is built ([`crate::TargetError::UnsupportedScheme`]),
+//!   not at every scrape.
 //! * The request asks for the classic text format (`text/plain; version=0.0.4`); the parser
 //!   reads OpenMetrics as well, should a server answer with it anyway.
 
 use bytes::Bytes;
 use http::{header, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use std::time::Duration;
+use tokenscope_net::{ClientTls, ConnectOptions, HttpsConnect};
 
 /// The client every scraper uses (one per scraper task; connections are kept alive).
-pub(crate) type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+pub(crate) type HttpClient = Client<HttpsConnect, Empty<Bytes>>;
 
-pub(crate) fn client(connect_timeout: Duration) -> HttpClient {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(connect_timeout));
-    connector.set_nodelay(true);
+pub(crate) fn client(connect_timeout: Duration, tls: &ClientTls) -> HttpClient {
+    let connector = tokenscope_net::connector(
+        tls,
+        ConnectOptions {
+            timeout: Some(connect_timeout),
+            nodelay: true,
+            ..ConnectOptions::default()
+        },
+    );
     Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(1)
@@ -37,9 +43,9 @@ pub enum FetchError {
     /// The request could not be built (should not happen for a validated URL).
     #[error("cannot build the request: {0}")]
     Request(#[from] http::Error),
-    /// Connecting or sending failed (refused, unreachable, reset, DNS).
-    #[error("cannot reach the endpoint: {0}")]
-    Connect(#[source] hyper_util::client::legacy::Error),
+    /// Connecting or sending failed (refused, unreachable, reset, DNS, TLS handshake).
+    #[error("cannot reach the endpoint: {}", tokenscope_net::error_chain(.0))]
+    Connect(hyper_util::client::legacy::Error),
     /// The endpoint answered with a non-success status (404/501: no metrics there).
     #[error("the endpoint answered HTTP {0}")]
     Status(StatusCode),

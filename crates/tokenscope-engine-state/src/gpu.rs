@@ -386,7 +386,8 @@ async fn run_dcgm(
     uri: Uri,
     config: ScrapeConfig,
 ) {
-    let client = fetch::client(config.timeout);
+    // A DCGM exporter over https is trusted through the system's roots.
+    let client = fetch::client(config.timeout, &tokenscope_net::ClientTls::system());
     let mut failing = false;
     let mut ticker = tokio::time::interval(config.interval);
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);

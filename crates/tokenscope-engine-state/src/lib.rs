@@ -79,8 +79,8 @@ pub enum TargetError {
         /// What is wrong with it.
         reason: String,
     },
-    /// Only `http://` endpoints can be scraped (no TLS client here).
-    #[error("unsupported scheme in metrics URL {url:?}: only http:// is scraped")]
+    /// Only `http://` and `https://` endpoints can be scraped.
+    #[error("unsupported scheme in metrics URL {url:?}: only http:// and https:// are scraped")]
     UnsupportedScheme {
         /// The URL given.
         url: String,

@@ -558,11 +558,54 @@ async fn openai_kind_and_bad_urls_start_no_scraper() {
     let snap = eventually("a snapshot", || handle.snapshot()).await;
     assert_eq!(snap.kind, Some("vllm"));
 
-    let https =
-        EngineStateHandle::spawn(EngineTarget::new("tls", "https://api.example.com"), fast());
-    assert!(matches!(https, Err(TargetError::UnsupportedScheme { .. })));
+    let ftp = EngineStateHandle::spawn(EngineTarget::new("ftp", "ftp://api.example.com"), fast());
+    assert!(matches!(ftp, Err(TargetError::UnsupportedScheme { .. })));
     let bad = EngineStateHandle::spawn(EngineTarget::new("bad", "not a url"), fast());
     assert!(matches!(bad, Err(TargetError::InvalidUrl { .. })));
+}
+
+/// An `https://` engine is scraped with the target's CA; without it every scrape fails with
+/// the certificate named as the reason.
+#[tokio::test]
+async fn https_metrics_with_the_targets_ca() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pki = tokenscope_net::test_util::TestPki::generate(dir.path()).expect("pki");
+    let tls = tokenscope_net::server_config(&pki.server_cert, &pki.server_key, None, &[])
+        .expect("server config");
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = tcp.local_addr().expect("addr").port();
+    let listener = tokenscope_net::TlsListener::new(tcp, tls).expect("listener");
+    let ep = Endpoint {
+        body: Arc::new(Mutex::new(Some(VLLM.to_owned()))),
+        hits: Arc::new(AtomicU64::new(0)),
+        delay: Duration::ZERO,
+    };
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .with_state(ep.clone());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let mut target = EngineTarget::new("tls", format!("https://localhost:{port}"));
+    target.tls = tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions {
+        ca_file: Some(pki.ca.clone()),
+        ..Default::default()
+    })
+    .expect("client tls");
+    let handle = EngineStateHandle::spawn(target, fast()).expect("scraper");
+    let snap = eventually("an https snapshot", || handle.snapshot()).await;
+    assert_eq!(snap.kind, Some("vllm"));
+
+    let untrusted = EngineStateHandle::spawn(
+        EngineTarget::new("untrusted", format!("https://localhost:{port}")),
+        fast(),
+    )
+    .expect("scraper");
+    let err = eventually("a failed scrape", || untrusted.last_error()).await;
+    assert!(err.contains("UnknownIssuer"), "{err}");
+    assert_eq!(untrusted.snapshot(), None);
 }
 
 #[test]

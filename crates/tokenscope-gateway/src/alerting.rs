@@ -19,11 +19,12 @@
 //!   counts notifications the webhook accepted (2xx), `tokenscope_alert_webhook_errors_total`
 //!   failed POSTs.
 //! * The task ends when the gateway's shared state is dropped (shutdown).
+//! * An `https://` webhook is trusted through the system's roots plus `webhook_ca_file`, with
+//!   `webhook_client_cert` / `webhook_client_key` for mutual TLS; a bad file refuses the start.
 
 use crate::config::ConfigError;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use parking_lot::Mutex;
@@ -170,6 +171,12 @@ pub(crate) fn start(
     let Some(settings) = section.settings()? else {
         return Ok(Alerting { feed: None });
     };
+    let tls = tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions::from_paths(
+        settings.ca_file.as_deref(),
+        settings.client_cert.as_deref(),
+        settings.client_key.as_deref(),
+    ))
+    .map_err(|e| ConfigError::Invalid(format!("alerts (webhook TLS): {e}")))?;
     let metrics = AlertMetrics {
         notifications: Family::default(),
         webhook_errors: Counter::default(),
@@ -218,6 +225,7 @@ pub(crate) fn start(
         Arc::downgrade(&feed),
         evaluator,
         settings,
+        tls,
         generator,
         metrics,
     ));
@@ -228,11 +236,19 @@ async fn run(
     feed: Weak<Feed>,
     mut evaluator: AlertEvaluator,
     settings: AlertSettings,
+    tls: tokenscope_net::ClientTls,
     generator: String,
     metrics: AlertMetrics,
 ) {
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let client: Client<tokenscope_net::HttpsConnect, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(tokenscope_net::connector(
+            &tls,
+            tokenscope_net::ConnectOptions {
+                timeout: Some(settings.timeout),
+                versions: tokenscope_net::Versions::Any,
+                ..tokenscope_net::ConnectOptions::default()
+            },
+        ));
     let mut outbox: VecDeque<Notification> = VecDeque::new();
     let mut tick = tokio::time::interval(settings.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -283,7 +299,7 @@ async fn run(
 }
 
 async fn post(
-    client: &Client<HttpConnector, Full<Bytes>>,
+    client: &Client<tokenscope_net::HttpsConnect, Full<Bytes>>,
     settings: &AlertSettings,
     body: String,
 ) -> Result<(), String> {
@@ -292,7 +308,10 @@ async fn post(
         .body(Full::new(Bytes::from(body)))
         .map_err(|e| e.to_string())?;
     let send = async {
-        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let resp = client
+            .request(req)
+            .await
+            .map_err(|e| tokenscope_net::error_chain(&e))?;
         let status = resp.status();
         // Read the body so the connection can be reused.
         let _ = resp.into_body().collect().await;

@@ -115,6 +115,8 @@ pub struct Gateway {
     pub(crate) bg: startup::BgRuntime,
     pub(crate) proxy_conns: Arc<server::Connections>,
     pub(crate) admin_conns: Arc<server::Connections>,
+    /// `[listen_tls]`: the proxy listener's TLS configuration.
+    pub(crate) proxy_tls: Option<Arc<tokenscope_net::rustls::ServerConfig>>,
 }
 
 /// What shutdown did.

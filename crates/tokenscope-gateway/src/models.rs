@@ -37,7 +37,6 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{StatusCode, Uri};
 use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::value::RawValue;
@@ -87,7 +86,7 @@ fn models_uri(base: &Uri) -> Option<Uri> {
 }
 
 async fn fetch(
-    client: &Client<HttpConnector, Empty<Bytes>>,
+    client: &Client<tokenscope_net::ConnectorSet, Empty<Bytes>>,
     uri: &Uri,
     creds: &UpstreamCredentials,
 ) -> Result<Vec<String>, String> {
@@ -98,7 +97,10 @@ async fn fetch(
         .map_err(|e| e.to_string())?;
     creds.apply(req.headers_mut());
     let exchange = async {
-        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let resp = client
+            .request(req)
+            .await
+            .map_err(|e| tokenscope_net::error_chain(&e))?;
         if !resp.status().is_success() {
             return Err(format!("HTTP {}", resp.status()));
         }
@@ -128,8 +130,13 @@ pub(crate) struct Served {
 
 /// Reserves the upstreams' literal model names now, starts the `/v1/models` task for the
 /// upstreams polled in the background and waits for its first round (at most
-/// [`FIRST_ROUND_WAIT`]).
-pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[Served]) {
+/// [`FIRST_ROUND_WAIT`]). `connectors`: each upstream's TLS (`https://` upstreams are fetched
+/// with their CA file and client certificate).
+pub(crate) async fn start(
+    metrics: Arc<Metrics>,
+    upstreams: &[Served],
+    connectors: tokenscope_net::ConnectorSet,
+) {
     metrics.reserve_models(upstreams.iter().flat_map(|u| literal_names(&u.patterns)));
     let targets: Vec<(String, Uri, String, UpstreamCredentials)> = upstreams
         .iter()
@@ -145,11 +152,10 @@ pub(crate) async fn start(metrics: Arc<Metrics>, upstreams: &[Served]) {
     }
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(FETCH_TIMEOUT));
-        let client: Client<HttpConnector, Empty<Bytes>> = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(0)
-            .build(connector);
+        let client: Client<tokenscope_net::ConnectorSet, Empty<Bytes>> =
+            Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(0)
+                .build(connectors);
         let mut first = Some(tx);
         loop {
             // The upstreams at once: a round lasts at most one FETCH_TIMEOUT.

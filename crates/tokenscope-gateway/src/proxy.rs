@@ -366,7 +366,11 @@ pub(crate) async fn passthrough(State(shared): State<Arc<Shared>>, req: Request)
             }
             Failure::Upstream {
                 code: "upstream_unreachable",
-                message: format!("upstream {}: {e}", upstream.name),
+                message: format!(
+                    "upstream {}: {}",
+                    upstream.name,
+                    tokenscope_net::error_chain(&e)
+                ),
             }
             .response()
         }

@@ -197,7 +197,6 @@ impl Replicas {
     }
 
     /// Every replica, in configuration order.
-    #[cfg(test)]
     pub(crate) fn all(&self) -> &[Arc<Replica>] {
         &self.list
     }
@@ -449,7 +448,13 @@ mod tests {
                         "pool",
                         format!("r{i}"),
                         base.clone(),
-                        UpPool::new(&base, Duration::from_secs(1), 1, Duration::ZERO),
+                        UpPool::new(
+                            &base,
+                            Duration::from_secs(1),
+                            1,
+                            Duration::ZERO,
+                            &tokenscope_net::ClientTls::system(),
+                        ),
                         None,
                         policy,
                         ReplicaMetrics::default(),
@@ -604,7 +609,13 @@ mod tests {
                         "pool",
                         (*n).to_owned(),
                         base.clone(),
-                        UpPool::new(&base, Duration::from_secs(1), 1, Duration::ZERO),
+                        UpPool::new(
+                            &base,
+                            Duration::from_secs(1),
+                            1,
+                            Duration::ZERO,
+                            &tokenscope_net::ClientTls::system(),
+                        ),
                         None,
                         policy,
                         ReplicaMetrics::default(),
@@ -667,7 +678,13 @@ mod tests {
                         "pool",
                         a.to_string(),
                         base.clone(),
-                        UpPool::new(&base, Duration::from_secs(1), 1, Duration::ZERO),
+                        UpPool::new(
+                            &base,
+                            Duration::from_secs(1),
+                            1,
+                            Duration::ZERO,
+                            &tokenscope_net::ClientTls::system(),
+                        ),
                         None,
                         policy,
                         ReplicaMetrics::default(),

@@ -29,6 +29,7 @@ pub(crate) async fn run(
         bg,
         proxy_conns,
         admin_conns,
+        proxy_tls,
     } = gw;
     let pipeline = Arc::new(pipeline);
     let app = Router::new()
@@ -59,6 +60,7 @@ pub(crate) async fn run(
         proxy_limits,
         stop_rx.clone(),
         proxy_conns.clone(),
+        proxy_tls,
     ));
     // The admin listener (dashboard, /metrics, OTLP receiver) on the background runtime.
     let bg_handle = bg
@@ -71,6 +73,7 @@ pub(crate) async fn run(
         admin_limits,
         stop_rx.clone(),
         admin_conns.clone(),
+        None,
     ));
     shutdown.await;
     let in_flight = proxy_conns.in_flight();

@@ -19,6 +19,11 @@
 //!   after `write_timeout` without progress the connection fails, its response body is dropped
 //!   (which closes the upstream connection and frees the engine's slot) and the record says
 //!   `client_write_timeout` ([`ConnState::write_stalled`]).
+//! * **TLS** (`[listen_tls]`, the proxy listener): the handshake runs on the connection's own
+//!   task, within the header timeout, and a connection still handshaking is reusable (evictable)
+//!   like one still sending its headers; a failed handshake closes only that connection
+//!   (counted in `tokenscope_connections_tls_handshake_failures_total`). Plain listeners pay
+//!   one `match` per I/O call for it ([`tokenscope_net::MaybeTls`]).
 //! * **Shutdown** ([`Connections`]): stop accepting, ask every connection to finish its
 //!   in-flight requests (HTTP/1 keep-alive off, HTTP/2 GOAWAY), and after the grace period cut
 //!   the rest: their futures are dropped, so each measured request's guard writes its record
@@ -91,6 +96,8 @@ pub(crate) struct ConnCounters {
     pub rejected: Counter,
     /// Failed writes to clients that stopped reading.
     pub write_timeouts: Counter,
+    /// TLS handshakes that failed or timed out (`[listen_tls]`).
+    pub tls_failures: Counter,
     /// Open now.
     pub open: Gauge,
 }
@@ -103,6 +110,7 @@ pub(crate) struct ConnMetrics {
     evicted: Family<Labels, Counter>,
     rejected: Family<Labels, Counter>,
     write_timeouts: Family<Labels, Counter>,
+    tls_failures: Family<Labels, Counter>,
     open: Family<Labels, Gauge>,
 }
 
@@ -114,6 +122,7 @@ impl ConnMetrics {
             evicted: Family::default(),
             rejected: Family::default(),
             write_timeouts: Family::default(),
+            tls_failures: Family::default(),
             open: Family::default(),
         };
         registry.register(
@@ -137,6 +146,11 @@ impl ConnMetrics {
             m.write_timeouts.clone(),
         );
         registry.register(
+            "tokenscope_connections_tls_handshake_failures",
+            "Client connections closed because their TLS handshake failed or timed out ([listen_tls])",
+            m.tls_failures.clone(),
+        );
+        registry.register(
             "tokenscope_connections_open",
             "Open client connections, per listener",
             m.open.clone(),
@@ -152,6 +166,7 @@ impl ConnMetrics {
             evicted: self.evicted.get_or_create(&l).clone(),
             rejected: self.rejected.get_or_create(&l).clone(),
             write_timeouts: self.write_timeouts.get_or_create(&l).clone(),
+            tls_failures: self.tls_failures.get_or_create(&l).clone(),
             open: self.open.get_or_create(&l).clone(),
         }
     }
@@ -319,9 +334,13 @@ impl http_body::Body for Tracked {
     }
 }
 
+/// A client connection: TCP in the clear, or TLS over TCP (`[listen_tls]`).
+type ClientIo =
+    tokenscope_net::MaybeTls<tokenscope_net::tokio_rustls::server::TlsStream<TcpStream>>;
+
 /// A client socket whose writes fail after `timeout` without progress.
 struct StallIo {
-    io: TcpStream,
+    io: ClientIo,
     timeout: Option<Duration>,
     /// Armed when a write pends; cleared by any write that makes progress.
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -451,14 +470,17 @@ fn reject(tcp: TcpStream, lingering: &Arc<AtomicUsize>) {
 }
 
 /// Accepts connections on `listener` until `stop` turns true, serving each with `app` on a
-/// task tracked by `conns` (see the module docs).
+/// task tracked by `conns` (see the module docs); with `tls`, every connection is a TLS
+/// session first.
 pub(crate) async fn serve(
     listener: TcpListener,
     app: Router,
     limits: ConnLimits,
     mut stop: watch::Receiver<bool>,
     conns: Arc<Connections>,
+    tls: Option<Arc<tokenscope_net::rustls::ServerConfig>>,
 ) {
+    let acceptor = tls.map(tokenscope_net::tokio_rustls::TlsAcceptor::from);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -537,13 +559,6 @@ pub(crate) async fn serve(
             conns: conns.clone(),
             id,
         };
-        let io = TokioIo::new(StallIo {
-            io: tcp,
-            timeout: limits.write_timeout,
-            stall: None,
-            state: state.clone(),
-            conns: conns.clone(),
-        });
         let (app, builder, drain, cut) = (
             app.clone(),
             builder.clone(),
@@ -551,8 +566,44 @@ pub(crate) async fn serve(
             conns.cut.clone(),
         );
         let c2 = conns.clone();
+        let acceptor = acceptor.clone();
+        let (write_timeout, header_timeout) = (limits.write_timeout, limits.header_timeout);
         conns.tasks.spawn(async move {
             let _reg = reg;
+            let stream = match acceptor {
+                None => ClientIo::Plain(tcp),
+                Some(acceptor) => {
+                    // Within the header timeout; evictable and cut like a connection that is
+                    // still sending its headers.
+                    let handshake = tokio::time::timeout(header_timeout, acceptor.accept(tcp));
+                    let done = tokio::select! {
+                        r = handshake => r,
+                        () = evict.notified() => return,
+                        () = cut.cancelled() => return,
+                        () = drain.cancelled() => return,
+                    };
+                    match done {
+                        Ok(Ok(s)) => ClientIo::Tls(Box::new(s)),
+                        Ok(Err(e)) => {
+                            c2.counters.tls_failures.inc();
+                            tracing::debug!(error = %e, "TLS handshake with a client failed");
+                            return;
+                        }
+                        Err(_) => {
+                            c2.counters.tls_failures.inc();
+                            tracing::debug!("TLS handshake with a client timed out");
+                            return;
+                        }
+                    }
+                }
+            };
+            let io = TokioIo::new(StallIo {
+                io: stream,
+                timeout: write_timeout,
+                stall: None,
+                state: state.clone(),
+                conns: c2.clone(),
+            });
             let svc = hyper::service::service_fn(move |mut req: http::Request<Incoming>| {
                 let guard = ActiveGuard::new(&state, &c2);
                 req.extensions_mut().insert(state.clone());
@@ -606,8 +657,87 @@ mod tests {
             },
             rx,
             conns.clone(),
+            None,
         ));
         (addr, conns, tx)
+    }
+
+    /// `[listen_tls]`: HTTP/1.1 and HTTP/2 over TLS (ALPN); a client that does not trust the
+    /// certificate, and one speaking plain HTTP, are closed at the handshake and counted.
+    #[tokio::test]
+    async fn tls_listener_serves_h1_and_h2_and_counts_failed_handshakes() {
+        use http_body_util::BodyExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pki = tokenscope_net::test_util::TestPki::generate(dir.path()).expect("pki");
+        let tls = tokenscope_net::server_config(
+            &pki.server_cert,
+            &pki.server_key,
+            None,
+            &[b"h2", b"http/1.1"],
+        )
+        .expect("server config");
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        let counters = ConnCounters::default();
+        let conns = Connections::new(counters.clone());
+        let (_tx, rx) = watch::channel(false);
+        let app = Router::new().route("/", get(|| async { "ok" }));
+        let limits = ConnLimits {
+            max_connections: 16,
+            header_timeout: Duration::from_secs(5),
+            write_timeout: Some(Duration::from_secs(5)),
+            max_header_bytes: 16 * 1024,
+            nodelay: true,
+        };
+        tokio::spawn(serve(l, app, limits, rx, conns, Some(tls)));
+        let trusted = tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions {
+            ca_file: Some(pki.ca.clone()),
+            ..Default::default()
+        })
+        .expect("client tls");
+        let url: http::Uri = format!("https://localhost:{port}/").parse().expect("uri");
+        for (versions, want) in [
+            (tokenscope_net::Versions::Http1, http::Version::HTTP_11),
+            (tokenscope_net::Versions::Any, http::Version::HTTP_2),
+        ] {
+            let client: hyper_util::client::legacy::Client<_, http_body_util::Empty<bytes::Bytes>> =
+                hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(
+                    tokenscope_net::connector(
+                        &trusted,
+                        tokenscope_net::ConnectOptions {
+                            versions,
+                            ..Default::default()
+                        },
+                    ),
+                );
+            let resp = client.get(url.clone()).await.expect("https");
+            assert_eq!(resp.version(), want);
+            let body = resp.into_body().collect().await.expect("body").to_bytes();
+            assert_eq!(&body[..], b"ok");
+        }
+        assert_eq!(counters.tls_failures.get(), 0);
+        // Plain HTTP to the TLS port, then a client without the CA.
+        let mut s = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let mut buf = Vec::new();
+        let _ = s.read_to_end(&mut buf).await;
+        let untrusted: hyper_util::client::legacy::Client<_, http_body_util::Empty<bytes::Bytes>> =
+            hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(
+                tokenscope_net::connector(
+                    &tokenscope_net::ClientTls::system(),
+                    tokenscope_net::ConnectOptions::default(),
+                ),
+            );
+        assert!(untrusted.get(url).await.is_err());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while counters.tls_failures.get() < 2 {
+            assert!(Instant::now() < deadline, "{}", counters.tls_failures.get());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     async fn get_ok(addr: std::net::SocketAddr) -> String {
@@ -671,6 +801,7 @@ mod tests {
             },
             rx,
             conns.clone(),
+            None,
         ));
         let busy = tokio::spawn(get_ok(addr));
         while conns.in_flight() < 1 {

@@ -12,7 +12,6 @@
 
 use crate::config::{self, GatewayConfig, UpstreamConfig};
 use crate::finished::Fanout;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -28,13 +27,16 @@ pub(crate) struct Upstream {
     pub replicas: crate::replicas::Replicas,
     /// Its key and extra headers, resolved at start-up (`tokenscope_config::credentials`).
     pub creds: config::UpstreamCredentials,
+    /// Its TLS settings (`https://`: the system's roots plus `ca_file`, and `client_cert`).
+    pub tls: tokenscope_net::ClientTls,
 }
 
 /// State shared by every request. Nothing in it is locked across I/O.
 pub(crate) struct Shared {
     pub cfg: GatewayConfig,
-    /// The pass-through client for bodies of unknown length.
-    pub client: Client<HttpConnector, axum::body::Body>,
+    /// The pass-through client for bodies of unknown length (`http://` and `https://`, each
+    /// upstream with its own TLS settings).
+    pub client: Client<tokenscope_net::ConnectorSet, axum::body::Body>,
     pub upstreams: Vec<Upstream>,
     /// `[[api_keys]]` by the SHA-256 of the key.
     pub api_keys: HashMap<String, config::ApiKeyConfig>,

@@ -19,7 +19,6 @@ use crate::{
     alerting, auth, cost, models, redact_url, server, upconn, Gateway, GatewayError, StoreTarget,
 };
 use http::Uri;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use std::sync::Arc;
@@ -40,12 +39,17 @@ const POOL_MAX_IDLE_PER_HOST: usize = 256;
 const PASSTHROUGH_MAX_IDLE_PER_HOST: usize = 32;
 
 /// The connection pool of one replica at `base` (the one place a pool is made).
-fn replica_pool(cfg: &GatewayConfig, base: &Uri) -> Arc<upconn::UpPool> {
+fn replica_pool(
+    cfg: &GatewayConfig,
+    base: &Uri,
+    tls: &tokenscope_net::ClientTls,
+) -> Arc<upconn::UpPool> {
     upconn::UpPool::new(
         base,
         cfg.connect_timeout(),
         POOL_MAX_IDLE_PER_HOST,
         cfg.upstream_idle_timeout(),
+        tls,
     )
 }
 
@@ -91,11 +95,7 @@ fn start_tracing(
     cfg: &config::TracingSection,
     metrics: &Arc<Metrics>,
 ) -> Result<Option<Tracing>, ConfigError> {
-    let Some(endpoint) = cfg
-        .otlp_endpoint
-        .as_deref()
-        .filter(|e| !e.trim().is_empty())
-    else {
+    let Some((endpoint, endpoint_as_is)) = cfg.endpoint() else {
         return Ok(None);
     };
     let invalid = |what: &str, e: String| ConfigError::Invalid(format!("tracing: {what}: {e}"));
@@ -122,7 +122,15 @@ fn start_tracing(
     );
     let exporter = tokenscope_trace::TraceExporter::spawn(
         tokenscope_trace::ExporterConfig {
-            endpoint: endpoint.trim().to_owned(),
+            endpoint: endpoint.to_owned(),
+            endpoint_as_is,
+            // The CA file and client certificate are read now: a bad file refuses the start.
+            tls: tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions::from_paths(
+                cfg.ca_file.as_deref(),
+                cfg.client_cert.as_deref(),
+                cfg.client_key.as_deref(),
+            ))
+            .map_err(|e| invalid("TLS", e.to_string()))?,
             protocol,
             queue_spans: cfg.queue_spans,
             batch_spans: cfg.batch_spans,
@@ -158,6 +166,17 @@ fn start_tracing(
         "Trace export on (tail-sampled)."
     );
     Ok(Some(Tracing { sampler, exporter }))
+}
+
+/// The TLS settings of an upstream (`ca_file`, `client_cert`, `client_key`; the system's roots
+/// when none is set), its files read now.
+fn upstream_tls(u: &config::UpstreamConfig) -> Result<tokenscope_net::ClientTls, ConfigError> {
+    tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions::from_paths(
+        u.ca_file.as_deref(),
+        u.client_cert.as_deref(),
+        u.client_key.as_deref(),
+    ))
+    .map_err(|e| ConfigError::Invalid(format!("upstream {:?}: {e}", u.name)))
 }
 
 /// Feeds pipeline events into the Prometheus metrics.
@@ -317,6 +336,8 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
         let mut upstreams = Vec::new();
         for u in &cfg.upstreams {
             let several = u.replica_urls().len() > 1;
+            // Its CA file and client certificate, read now: a bad file refuses the start.
+            let tls = upstream_tls(u)?;
             let policy = EjectPolicy {
                 eject: u.eject(),
                 max: u.eject_max(),
@@ -335,6 +356,7 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
                         metrics_url: u.metrics_url.clone(),
                         kind: u.kind,
                         replica: several.then(|| name.clone()),
+                        tls: tls.clone(),
                     };
                     let scrape = ScrapeConfig {
                         interval: Duration::from_millis(u.scrape_interval_ms),
@@ -357,7 +379,7 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
                     &u.name,
                     name,
                     base.clone(),
-                    replica_pool(&cfg, &base),
+                    replica_pool(&cfg, &base, &tls),
                     state,
                     policy,
                     m,
@@ -377,6 +399,7 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
                 cfg: u.clone(),
                 replicas: Replicas::new(replicas),
                 creds,
+                tls,
             });
         }
         let gpu = GpuStateHandle::spawn(&GpuConfig {
@@ -429,6 +452,19 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
             .await
             .map_err(|source| GatewayError::Bind { addr, source })
     };
+    // `[listen_tls]`: the certificate and key read now (a bad file refuses the start).
+    let proxy_tls = match &cfg.listen_tls {
+        None => None,
+        Some(t) => Some(
+            tokenscope_net::server_config(
+                std::path::Path::new(&t.cert_file),
+                std::path::Path::new(&t.key_file),
+                t.client_ca_file.as_deref().map(std::path::Path::new),
+                &[b"h2", b"http/1.1"],
+            )
+            .map_err(|e| ConfigError::Invalid(format!("listen_tls: {e}")))?,
+        ),
+    };
     let proxy = bind(cfg.listen.clone()).await?;
     let admin = bind(cfg.admin_listen.clone()).await?;
     if let Some(w) = admin
@@ -439,9 +475,26 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
         tracing::warn!("{w}");
     }
 
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(cfg.connect_timeout()));
-    connector.set_nodelay(true);
+    // Each upstream's TLS settings, by origin (the pass-through client and the `/v1/models`
+    // fetch); the connect timeout covers TCP and the TLS handshake.
+    let connectors = |timeout: Duration| {
+        let opts = tokenscope_net::ConnectOptions {
+            timeout: Some(timeout),
+            nodelay: true,
+            ..tokenscope_net::ConnectOptions::default()
+        };
+        let mut set = tokenscope_net::ConnectorSet::new(tokenscope_net::connector(
+            &tokenscope_net::ClientTls::system(),
+            opts,
+        ));
+        for u in &upstreams {
+            for r in u.replicas.all() {
+                set.insert(&r.base, tokenscope_net::connector(&u.tls, opts));
+            }
+        }
+        set
+    };
+    let connector = connectors(cfg.connect_timeout());
     // The pass-through client (unmeasured paths; measured requests use `upconn`): at most
     // `PASSTHROUGH_MAX_IDLE_PER_HOST` idle connections per engine (each holds hyper's
     // buffers, ~30 KiB), each reused for at most `upstream_idle_timeout_ms` (below the
@@ -495,7 +548,7 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
             })
         })
         .collect();
-    models::start(metrics.clone(), &served).await;
+    models::start(metrics.clone(), &served, connectors(models::FETCH_TIMEOUT)).await;
     let fanout = Arc::new(Fanout::new(
         metrics.clone(),
         cost::CostMeter::new(tokenscope_analysis::PriceTable::new(cfg.prices.clone())),
@@ -536,5 +589,6 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
         bg,
         proxy_conns: server::Connections::new(conn_metrics.listener("proxy")),
         admin_conns: server::Connections::new(conn_metrics.listener("admin")),
+        proxy_tls,
     })
 }

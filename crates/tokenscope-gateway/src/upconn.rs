@@ -33,6 +33,11 @@
 //!   another connection (hyper hands the request back); a request that was written is never
 //!   sent twice.
 //! * The pool's lock is held for a `VecDeque` push or pop only, never across I/O.
+//! * `https://` upstreams: the connection is TLS over TCP ([`UpStream`] =
+//!   `tokenscope_net::MaybeTls`; rustls, SNI from the URL's host, ALPN `http/1.1`, the
+//!   upstream's CA file and client certificate), opened and handshaken within
+//!   `connect_timeout`; a failed handshake is [`UpError::Tls`] (nothing was sent). `http://`
+//!   connections are plain TCP: one `match` per I/O call is all they pay for TLS support.
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, Uri};
@@ -48,6 +53,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+use tokenscope_net::rustls::pki_types::ServerName;
+use tokenscope_net::tokio_rustls::{client::TlsStream, TlsConnector};
 use tokio::net::TcpStream;
 
 /// How long a connection is watched after a chunked response while the pool does not know yet
@@ -118,7 +125,11 @@ impl KeepAlive {
     }
 }
 
-type Conn = Connection<TokioIo<TcpStream>, Full<Bytes>>;
+/// The byte stream of an upstream connection: plain TCP (`http://`) or TLS over TCP
+/// (`https://`).
+pub(crate) type UpStream = tokenscope_net::MaybeTls<TlsStream<TcpStream>>;
+
+type Conn = Connection<TokioIo<UpStream>, Full<Bytes>>;
 
 /// Why an upstream request failed.
 #[derive(Debug, thiserror::Error)]
@@ -126,25 +137,39 @@ pub(crate) enum UpError {
     /// No connection could be opened (refused, unreachable, connect timeout).
     #[error("cannot connect to {addr}: {reason}")]
     Connect { addr: String, reason: String },
-    /// The connection failed while sending the request or reading the response head.
-    #[error("{0}")]
+    /// The TLS handshake with an `https://` upstream failed (untrusted or mismatched
+    /// certificate, a client certificate refused, no common protocol…); nothing was sent.
+    #[error("TLS with {addr}: {reason}")]
+    Tls { addr: String, reason: String },
+    /// The connection failed while sending the request or reading the response head (hyper's
+    /// error and its causes, e.g. a TLS alert: `connection error: received fatal alert: …`).
+    #[error("{}", tokenscope_net::error_chain(.0))]
     Http(#[from] hyper::Error),
 }
 
 impl UpError {
-    /// `true` when no connection could be opened.
+    /// `true` when no connection could be opened (refused, unreachable, timed out, or its TLS
+    /// handshake failed): nothing of the request was sent.
     pub(crate) fn is_connect(&self) -> bool {
-        matches!(self, UpError::Connect { .. })
+        matches!(self, UpError::Connect { .. } | UpError::Tls { .. })
     }
 
     /// The error code a client (and the record's `error_type`) gets for it.
     pub(crate) fn code(&self) -> &'static str {
-        if self.is_connect() {
-            "upstream_unreachable"
-        } else {
-            "upstream_failed"
+        match self {
+            UpError::Connect { .. } => "upstream_unreachable",
+            UpError::Tls { .. } => "upstream_tls",
+            UpError::Http(_) => "upstream_failed",
         }
     }
+}
+
+/// How the pool's connections to an `https://` upstream are made.
+struct TlsTarget {
+    connector: TlsConnector,
+    /// SNI and the name the certificate must carry; `Err`: the URL's host cannot be one
+    /// (every connection attempt fails with that).
+    name: Result<ServerName<'static>, String>,
 }
 
 struct Idle {
@@ -162,6 +187,8 @@ struct Idle {
 pub(crate) struct UpPool {
     /// `host:port` to connect to.
     addr: String,
+    /// `Some` for an `https://` upstream.
+    tls: Option<TlsTarget>,
     /// `Host` header value.
     host: Option<HeaderValue>,
     connect_timeout: Duration,
@@ -189,16 +216,23 @@ pub(crate) struct UpConn {
 }
 
 impl UpPool {
-    /// A pool for the upstream at `base` (`http://host[:port][/prefix]`) that reuses a
-    /// connection for at most `idle_timeout` after its last response (zero: never).
+    /// A pool for the upstream at `base` (`http[s]://host[:port][/prefix]`) that reuses a
+    /// connection for at most `idle_timeout` after its last response (zero: never); `tls` is
+    /// used for an `https://` base.
     pub(crate) fn new(
         base: &Uri,
         connect_timeout: Duration,
         max_idle: usize,
         idle_timeout: Duration,
+        tls: &tokenscope_net::ClientTls,
     ) -> Arc<Self> {
         let host = base.host().unwrap_or("127.0.0.1");
-        let port = base.port_u16().unwrap_or(80);
+        let https = base.scheme_str() == Some("https");
+        let port = base.port_u16().unwrap_or(if https { 443 } else { 80 });
+        let tls = https.then(|| TlsTarget {
+            connector: tls.tokio_connector(&[b"http/1.1"]),
+            name: tokenscope_net::server_name(host).map_err(|e| e.to_string()),
+        });
         let addr = if host.contains(':') && !host.starts_with('[') {
             format!("[{host}]:{port}")
         } else {
@@ -209,6 +243,7 @@ impl UpPool {
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok());
         Arc::new(Self {
             addr,
+            tls,
             host: host_header,
             connect_timeout,
             max_idle,
@@ -266,22 +301,50 @@ impl UpPool {
         }
     }
 
-    async fn connect(self: &Arc<Self>) -> Result<UpConn, UpError> {
-        let err = |reason: String| UpError::Connect {
+    /// Opens a connection: TCP, and for `https://` the TLS handshake, both within
+    /// `connect_timeout`.
+    async fn open(&self) -> Result<UpStream, UpError> {
+        let tcp = TcpStream::connect(&self.addr)
+            .await
+            .map_err(|e| UpError::Connect {
+                addr: self.addr.clone(),
+                reason: e.to_string(),
+            })?;
+        // Streamed tokens are small writes: no Nagle delay.
+        let _ = tcp.set_nodelay(true);
+        let Some(tls) = &self.tls else {
+            return Ok(UpStream::Plain(tcp));
+        };
+        let tls_err = |reason: String| UpError::Tls {
             addr: self.addr.clone(),
             reason,
         };
-        let tcp = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.addr))
+        let name = tls.name.clone().map_err(tls_err)?;
+        let s = tls
+            .connector
+            .connect(name, tcp)
             .await
-        {
-            Err(_) => return Err(err(format!("timed out after {:?}", self.connect_timeout))),
-            Ok(Err(e)) => return Err(err(e.to_string())),
-            Ok(Ok(t)) => t,
+            .map_err(|e| tls_err(e.to_string()))?;
+        Ok(UpStream::Tls(Box::new(s)))
+    }
+
+    async fn connect(self: &Arc<Self>) -> Result<UpConn, UpError> {
+        let stream = match tokio::time::timeout(self.connect_timeout, self.open()).await {
+            Err(_) => {
+                let what = if self.tls.is_some() {
+                    " (TCP connect and TLS handshake)"
+                } else {
+                    ""
+                };
+                return Err(UpError::Connect {
+                    addr: self.addr.clone(),
+                    reason: format!("timed out after {:?}{what}", self.connect_timeout),
+                });
+            }
+            Ok(r) => r?,
         };
-        // Streamed tokens are small writes: no Nagle delay.
-        let _ = tcp.set_nodelay(true);
         let (sender, conn) = Builder::new()
-            .handshake(TokioIo::new(tcp))
+            .handshake(TokioIo::new(stream))
             .await
             .map_err(UpError::Http)?;
         Ok(UpConn {
@@ -587,31 +650,150 @@ mod tests {
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let acc = accepted.clone();
         tokio::spawn(async move {
-            while let Ok((mut s, _)) = l.accept().await {
+            while let Ok((s, _)) = l.accept().await {
                 acc.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::spawn(answer(s, per_conn, extra));
+            }
+        });
+        (addr, accepted)
+    }
+
+    /// Answers `per_conn` requests on `s` with `ok` (see [`server`]).
+    async fn answer<S>(mut s: S, per_conn: usize, extra: &'static str)
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    {
+        let mut buf = vec![0u8; 4096];
+        for i in 0..per_conn {
+            let mut got = Vec::new();
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+            let close = i + 1 == per_conn;
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n{extra}{}\r\nok",
+                if close { "connection: close\r\n" } else { "" }
+            );
+            if s.write_all(resp.as_bytes()).await.is_err() || s.flush().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// [`server`] behind TLS (a fresh test PKI's server certificate, for `localhost`): its port,
+    /// the number of completed handshakes, the PKI and the directory holding it.
+    async fn tls_server(
+        per_conn: usize,
+    ) -> (
+        u16,
+        Arc<std::sync::atomic::AtomicUsize>,
+        tokenscope_net::test_util::TestPki,
+        tempfile::TempDir,
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let pki = tokenscope_net::test_util::TestPki::generate(dir.path()).expect("pki");
+        let cfg =
+            tokenscope_net::server_config(&pki.server_cert, &pki.server_key, None, &[b"http/1.1"])
+                .expect("server config");
+        let acceptor = tokenscope_net::tokio_rustls::TlsAcceptor::from(cfg);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let acc = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((s, _)) = l.accept().await {
+                let acceptor = acceptor.clone();
+                let acc = acc.clone();
                 tokio::spawn(async move {
-                    let mut buf = vec![0u8; 4096];
-                    for i in 0..per_conn {
-                        let mut got = Vec::new();
-                        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                            match s.read(&mut buf).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => got.extend_from_slice(&buf[..n]),
-                            }
-                        }
-                        let close = i + 1 == per_conn;
-                        let resp = format!(
-                            "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n{extra}{}\r\nok",
-                            if close { "connection: close\r\n" } else { "" }
-                        );
-                        if s.write_all(resp.as_bytes()).await.is_err() {
-                            return;
-                        }
+                    if let Ok(s) = acceptor.accept(s).await {
+                        acc.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        answer(s, per_conn, "").await;
                     }
                 });
             }
         });
-        (addr, accepted)
+        (port, accepted, pki, dir)
+    }
+
+    fn https_pool(port: u16, tls: &tokenscope_net::ClientTls) -> Arc<UpPool> {
+        UpPool::new(
+            &format!("https://localhost:{port}").parse().expect("uri"),
+            Duration::from_secs(5),
+            8,
+            Duration::from_secs(60),
+            tls,
+        )
+    }
+
+    #[tokio::test]
+    async fn https_upstreams_reuse_tls_connections() {
+        let (port, accepted, pki, _dir) = tls_server(3).await;
+        let tls = tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions {
+            ca_file: Some(pki.ca.clone()),
+            ..Default::default()
+        })
+        .expect("client tls");
+        let pool = https_pool(port, &tls);
+        for _ in 0..4 {
+            assert_eq!(get(&pool).await.expect("response"), "ok");
+        }
+        // Three responses per connection: four requests, two handshakes.
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_untrusted_certificate_is_a_tls_error() {
+        let (port, accepted, pki, _dir) = tls_server(3).await;
+        for tls in [
+            tokenscope_net::ClientTls::system(),
+            tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions {
+                ca_file: Some(pki.other_ca.clone()),
+                ..Default::default()
+            })
+            .expect("client tls"),
+        ] {
+            let err = get(&https_pool(port, &tls)).await.expect_err("untrusted");
+            assert!(matches!(err, UpError::Tls { .. }), "{err}");
+            assert_eq!(err.code(), "upstream_tls");
+            let msg = err.to_string();
+            assert!(
+                msg.starts_with(&format!(
+                    "TLS with localhost:{port}: invalid peer certificate"
+                )) && msg.contains("UnknownIssuer"),
+                "{msg}"
+            );
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn the_connect_timeout_covers_the_tls_handshake() {
+        // Accepts TCP and never answers the ClientHello.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = l.local_addr().expect("addr").port();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = l.accept().await {
+                held.push(s);
+            }
+        });
+        let pool = UpPool::new(
+            &format!("https://127.0.0.1:{port}").parse().expect("uri"),
+            Duration::from_millis(200),
+            8,
+            Duration::from_secs(60),
+            &tokenscope_net::ClientTls::system(),
+        );
+        let err = get(&pool).await.expect_err("timeout");
+        assert!(err.is_connect(), "{err}");
+        assert!(err.to_string().contains("TLS handshake"), "{err}");
     }
 
     fn pool_for(addr: &str) -> Arc<UpPool> {
@@ -624,6 +806,7 @@ mod tests {
             Duration::from_secs(1),
             8,
             idle_timeout,
+            &tokenscope_net::ClientTls::system(),
         )
     }
 

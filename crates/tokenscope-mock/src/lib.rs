@@ -285,6 +285,49 @@ pub async fn serve(
     Ok(())
 }
 
+/// [`serve`] behind TLS: the same engine on `tls_listener`, every connection a TLS session
+/// with `tls` (`tokenscope_net::server_config`: the mock's certificate, optionally requiring
+/// client certificates), and also in the clear on `plain` when given — one engine behind both
+/// (the same batches, slots and metrics), so plain and TLS clients can be compared against
+/// it. Handshakes run beside the engine; a failed one closes only its connection.
+pub async fn serve_tls(
+    tls_listener: tokio::net::TcpListener,
+    tls: std::sync::Arc<tokenscope_net::rustls::ServerConfig>,
+    plain: Option<tokio::net::TcpListener>,
+    cfg: MockConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), MockError> {
+    cfg.validate()?;
+    let token = CancellationToken::new();
+    let _cancel_on_exit = token.clone().drop_guard();
+    let app = http::app(cfg, token.clone());
+    let stop = token.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        stop.cancel();
+    });
+    // TCP_NODELAY is set on every accepted socket by the TLS listener.
+    let secure = axum::serve(
+        tokenscope_net::TlsListener::new(tls_listener, tls)?,
+        app.clone(),
+    )
+    .with_graceful_shutdown(token.clone().cancelled_owned());
+    match plain {
+        None => secure.await?,
+        Some(listener) => {
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
+            let clear = axum::serve(listener, app).with_graceful_shutdown(token.cancelled_owned());
+            tokio::try_join!(
+                std::future::IntoFuture::into_future(secure),
+                std::future::IntoFuture::into_future(clear)
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// The same application as [`serve`], for embedding in another server or test harness.
 ///
 /// Invalid parameters are replaced by usable ones (see [`MockConfig::validate`] to check first).

@@ -50,11 +50,20 @@ pub enum TokenizerSpec {
     /// included).
     #[serde(rename = "engine")]
     Engine {
-        /// Base URL of the engine, e.g. `http://127.0.0.1:8080` (plain HTTP).
+        /// Base URL of the engine, e.g. `http://127.0.0.1:8080` or `https://engine:8443`.
         #[serde(rename = "url")]
         base_url: String,
         /// Which engine API to speak.
         flavor: EngineFlavor,
+        /// `https://`: a PEM CA bundle trusted beside the system's roots.
+        #[serde(default)]
+        ca_file: Option<PathBuf>,
+        /// `https://`: a PEM client certificate (mutual TLS), with `client_key`.
+        #[serde(default)]
+        client_cert: Option<PathBuf>,
+        /// The PEM key of `client_cert`.
+        #[serde(default)]
+        client_key: Option<PathBuf>,
     },
 }
 
@@ -110,6 +119,12 @@ enum RawTokenizerConfig {
         models: Vec<String>,
         url: String,
         flavor: EngineFlavor,
+        #[serde(default)]
+        ca_file: Option<PathBuf>,
+        #[serde(default)]
+        client_cert: Option<PathBuf>,
+        #[serde(default)]
+        client_key: Option<PathBuf>,
     },
 }
 
@@ -128,11 +143,17 @@ impl From<RawTokenizerConfig> for TokenizerConfig {
                 models,
                 url,
                 flavor,
+                ca_file,
+                client_cert,
+                client_key,
             } => TokenizerConfig {
                 models,
                 spec: TokenizerSpec::Engine {
                     base_url: url,
                     flavor,
+                    ca_file,
+                    client_cert,
+                    client_key,
                 },
             },
         }

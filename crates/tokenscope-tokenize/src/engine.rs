@@ -37,15 +37,15 @@
 //!   all under one timeout (default [`DEFAULT_ENGINE_TIMEOUT`](crate::DEFAULT_ENGINE_TIMEOUT));
 //!   the connect timeout is the same value. A slow engine yields an error, never a stall.
 //! - Answers are read up to [`MAX_RESPONSE_BYTES`]; only their length/count is kept.
-//! - The base URL is plain `http://` (checked at startup); the gateway does not speak TLS to
-//!   engines. Give the server root (`http://host:8000`), not `…/v1`.
+//! - The base URL is `http://` or `https://` (checked at startup; TLS through tokenscope-net:
+//!   the system's roots plus the entry's `ca_file`, its client certificate; the connect timeout
+//!   covers the handshake). Give the server root (`http://host:8000`), not `…/v1`.
 
 use crate::error::TokenizeError;
 use crate::request::{self, check_len};
 use crate::{EngineFlavor, MAX_COUNT_BYTES, MAX_ENGINE_CALLS};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde::de::IgnoredAny;
@@ -72,7 +72,7 @@ const VLLM_CHAT_OPTIONS: [&str; 6] = [
 pub(crate) struct Engine {
     base: String,
     flavor: EngineFlavor,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<tokenscope_net::HttpsConnect, Full<Bytes>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -117,9 +117,9 @@ pub(crate) fn normalise_base_url(url: &str) -> Result<String, TokenizeError> {
                 reason: e.to_string(),
             })?;
     match uri.scheme_str() {
-        Some("http") => {}
-        Some(_) => return Err(invalid("only http:// is supported")),
-        None => return Err(invalid("missing http:// scheme")),
+        Some("http" | "https") => {}
+        Some(_) => return Err(invalid("only http:// and https:// are supported")),
+        None => return Err(invalid("missing http:// or https:// scheme")),
     }
     if uri.authority().is_none() {
         return Err(invalid("missing host"));
@@ -131,10 +131,20 @@ pub(crate) fn normalise_base_url(url: &str) -> Result<String, TokenizeError> {
 }
 
 impl Engine {
-    pub(crate) fn new(base: String, flavor: EngineFlavor, timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(timeout));
-        connector.set_nodelay(true);
+    pub(crate) fn new(
+        base: String,
+        flavor: EngineFlavor,
+        timeout: Duration,
+        tls: &tokenscope_net::ClientTls,
+    ) -> Self {
+        let connector = tokenscope_net::connector(
+            tls,
+            tokenscope_net::ConnectOptions {
+                timeout: Some(timeout),
+                nodelay: true,
+                ..tokenscope_net::ConnectOptions::default()
+            },
+        );
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .pool_timer(TokioTimer::new())
@@ -350,8 +360,12 @@ mod tests {
             normalise_base_url("http://engine:8000/prefix").expect("valid"),
             "http://engine:8000/prefix"
         );
+        assert_eq!(
+            normalise_base_url("https://engine:8443/").expect("valid"),
+            "https://engine:8443"
+        );
         for bad in [
-            "https://x",
+            "ftp://x",
             "127.0.0.1:8080",
             "http://x/?a=b",
             "not a url",

@@ -54,7 +54,8 @@ pub enum TokenizeError {
     /// The same model pattern appears in two `[[tokenizers]]` entries (startup).
     #[error("model pattern {0:?} is configured for more than one tokenizer")]
     DuplicatePattern(String),
-    /// An engine `url` is not a plain `http://host:port[/path]` URL (startup).
+    /// An engine `url` is not an `http[s]://host:port[/path]` URL, or its TLS files cannot be
+    /// used (startup).
     #[error("engine url {url:?}: {reason}")]
     InvalidUrl {
         /// The URL as configured.

@@ -137,9 +137,29 @@ impl Tokenizers {
                     loaded.insert(key, Arc::clone(&tok));
                     Backend::Local(tok)
                 }
-                TokenizerSpec::Engine { base_url, flavor } => {
+                TokenizerSpec::Engine {
+                    base_url,
+                    flavor,
+                    ca_file,
+                    client_cert,
+                    client_key,
+                } => {
                     let base = engine::normalise_base_url(base_url)?;
-                    Backend::Engine(Box::new(Engine::new(base, *flavor, DEFAULT_ENGINE_TIMEOUT)))
+                    let tls = tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions {
+                        ca_file: ca_file.clone(),
+                        client_cert: client_cert.clone(),
+                        client_key: client_key.clone(),
+                    })
+                    .map_err(|e| TokenizeError::InvalidUrl {
+                        url: base.clone(),
+                        reason: format!("TLS settings: {e}"),
+                    })?;
+                    Backend::Engine(Box::new(Engine::new(
+                        base,
+                        *flavor,
+                        DEFAULT_ENGINE_TIMEOUT,
+                        &tls,
+                    )))
                 }
             };
             backends.push(backend);

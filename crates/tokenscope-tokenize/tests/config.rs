@@ -60,21 +60,30 @@ fn toml_shape() {
                 models: vec!["gemma*".into()],
                 spec: TokenizerSpec::Engine {
                     base_url: "http://127.0.0.1:8080".into(),
-                    flavor: EngineFlavor::LlamaCpp
+                    flavor: EngineFlavor::LlamaCpp,
+                    ca_file: None,
+                    client_cert: None,
+                    client_key: None,
                 },
             },
             TokenizerConfig {
                 models: vec!["qwen*".into(), "mistral-7b".into()],
                 spec: TokenizerSpec::Engine {
                     base_url: "http://10.0.0.1:8000".into(),
-                    flavor: EngineFlavor::Vllm
+                    flavor: EngineFlavor::Vllm,
+                    ca_file: None,
+                    client_cert: None,
+                    client_key: None,
                 },
             },
             TokenizerConfig {
                 models: vec!["tgi-model".into()],
                 spec: TokenizerSpec::Engine {
                     base_url: "http://tgi:80".into(),
-                    flavor: EngineFlavor::Tgi
+                    flavor: EngineFlavor::Tgi,
+                    ca_file: None,
+                    client_cert: None,
+                    client_key: None,
                 },
             },
             TokenizerConfig {
@@ -121,6 +130,9 @@ fn engine_cfg(models: &[&str], port: u16) -> TokenizerConfig {
         spec: TokenizerSpec::Engine {
             base_url: format!("http://127.0.0.1:{port}"),
             flavor: EngineFlavor::LlamaCpp,
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
         },
     }
 }

@@ -135,6 +135,9 @@ fn engine(url: &str, flavor: EngineFlavor) -> Tokenizers {
         spec: TokenizerSpec::Engine {
             base_url: url.to_owned(),
             flavor,
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
         },
     }])
     .expect("engine tokenizer")
@@ -399,12 +402,15 @@ async fn limits_are_enforced_before_calling_the_engine() {
 
 #[test]
 fn bad_engine_urls_fail_at_startup() {
-    for url in ["https://engine:443", "engine:8080", "http://x/?q=1"] {
+    for url in ["ftp://engine:443", "engine:8080", "http://x/?q=1"] {
         let err = Tokenizers::new(&[TokenizerConfig {
             models: vec!["*".into()],
             spec: TokenizerSpec::Engine {
                 base_url: url.into(),
                 flavor: EngineFlavor::LlamaCpp,
+                ca_file: None,
+                client_cert: None,
+                client_key: None,
             },
         }]);
         assert!(
@@ -412,4 +418,47 @@ fn bad_engine_urls_fail_at_startup() {
             "{url}"
         );
     }
+}
+
+/// An `https://` engine: counted with the entry's `ca_file`; a file that cannot be read is a
+/// startup error naming it.
+#[tokio::test]
+async fn https_engine_with_a_ca_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pki = tokenscope_net::test_util::TestPki::generate(dir.path()).expect("pki");
+    let tls = tokenscope_net::server_config(&pki.server_cert, &pki.server_key, None, &[])
+        .expect("server config");
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = tcp.local_addr().expect("addr").port();
+    let listener = tokenscope_net::TlsListener::new(tcp, tls).expect("listener");
+    let log = Log::default();
+    let router = llama_router(log.clone());
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    let spec = |ca: std::path::PathBuf| TokenizerConfig {
+        models: vec!["m*".into()],
+        spec: TokenizerSpec::Engine {
+            base_url: format!("https://localhost:{port}"),
+            flavor: EngineFlavor::LlamaCpp,
+            ca_file: Some(ca),
+            client_cert: None,
+            client_key: None,
+        },
+    };
+    let t = Tokenizers::new(&[spec(pki.ca.clone())]).expect("engine tokenizer");
+    let body = json!({ "model": "m1", "prompt": "one two" });
+    assert_eq!(
+        count(&t, Endpoint::Completions, &body)
+            .await
+            .expect("count over https"),
+        3
+    );
+    assert_eq!(taken(&log).len(), 1);
+    let Err(err) = Tokenizers::new(&[spec(dir.path().join("missing.pem"))]) else {
+        panic!("a missing CA file must be refused");
+    };
+    assert!(err.to_string().contains("missing.pem"), "{err}");
 }

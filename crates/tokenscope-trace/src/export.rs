@@ -18,11 +18,14 @@
 //!   as `rejected` too.
 //! * Shutdown exports what is queued within the grace period; the rest is counted as
 //!   `shutdown`. Every submitted span ends up exported or counted as dropped exactly once.
+//! * `https://` endpoints use TLS (tokenscope-net: rustls, the system's roots plus
+//!   [`ExporterConfig::tls`]'s CA file, its client certificate for mutual TLS; ALPN `h2` for
+//!   gRPC). A failed handshake is a `transport` error, retried like a refused connection.
+//! * Header values are never logged (`Debug` of [`ExporterConfig`] shows their names only).
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 #[cfg(feature = "grpc")]
@@ -40,6 +43,7 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokenscope_net::{ClientTls, ConnectOptions, HttpsConnect, Versions};
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
@@ -78,7 +82,7 @@ impl Protocol {
 /// Configuration errors of the exporter.
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
-    /// The endpoint is not an `http://host:port[/path]` URL.
+    /// The endpoint is not an `http[s]://host:port[/path]` URL.
     #[error("invalid OTLP endpoint {url:?}: {why}")]
     Endpoint {
         /// The value given.
@@ -98,11 +102,16 @@ pub enum ExportError {
 }
 
 /// Exporter settings.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ExporterConfig {
-    /// `http://host:4318` (HTTP; `/v1/traces` is appended unless the path already ends with
-    /// it) or `http://host:4317` (gRPC).
+    /// `http[s]://host:4318` (HTTP; `/v1/traces` is appended unless the path already ends with
+    /// it, or `endpoint_as_is`) or `http[s]://host:4317` (gRPC).
     pub endpoint: String,
+    /// OTLP/HTTP: `endpoint` is the full traces URL (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`),
+    /// nothing is appended.
+    pub endpoint_as_is: bool,
+    /// TLS of an `https://` endpoint (trust roots, client certificate).
+    pub tls: ClientTls,
     /// Transport.
     pub protocol: Protocol,
     /// Span budget of the queue (queued + being exported).
@@ -119,10 +128,33 @@ pub struct ExporterConfig {
     pub resource: Vec<(String, String)>,
 }
 
+impl std::fmt::Debug for ExporterConfig {
+    /// Header values are secrets: only their names are shown.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExporterConfig")
+            .field("endpoint", &tokenscope_core::redact_url(&self.endpoint))
+            .field("endpoint_as_is", &self.endpoint_as_is)
+            .field("tls", &self.tls)
+            .field("protocol", &self.protocol)
+            .field("queue_spans", &self.queue_spans)
+            .field("batch_spans", &self.batch_spans)
+            .field("batch_timeout", &self.batch_timeout)
+            .field("export_timeout", &self.export_timeout)
+            .field(
+                "headers",
+                &self.headers.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            )
+            .field("resource", &self.resource)
+            .finish()
+    }
+}
+
 impl Default for ExporterConfig {
     fn default() -> Self {
         Self {
             endpoint: "http://127.0.0.1:4318".into(),
+            endpoint_as_is: false,
+            tls: ClientTls::system(),
             protocol: Protocol::Http,
             queue_spans: 16_384,
             batch_spans: 512,
@@ -214,7 +246,7 @@ impl std::fmt::Debug for TraceExporter {
 
 enum Transport {
     Http {
-        client: Box<Client<HttpConnector, Full<Bytes>>>,
+        client: Box<Client<HttpsConnect, Full<Bytes>>>,
         uri: Uri,
         headers: Vec<(HeaderName, HeaderValue)>,
     },
@@ -233,25 +265,27 @@ enum Failure {
     Reject(&'static str),
 }
 
-fn http_uri(endpoint: &str) -> Result<Uri, ExportError> {
+/// The connect timeout of both transports (TCP and the TLS handshake).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The traces URL of an OTLP/HTTP `endpoint`: `…/v1/traces` appended (unless the path already
+/// ends with it), or the URL as it is when `as_is`.
+fn http_uri(endpoint: &str, as_is: bool) -> Result<Uri, ExportError> {
     let bad = |why: &str| ExportError::Endpoint {
-        url: endpoint.to_owned(),
+        url: tokenscope_core::redact_url(endpoint),
         why: why.to_owned(),
     };
     let uri: Uri = endpoint
         .parse()
         .map_err(|e: http::uri::InvalidUri| bad(&e.to_string()))?;
-    match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
-            return Err(bad(
-                "https is not supported; use a local collector over http",
-            ))
-        }
-        _ => return Err(bad("expected http://host:port")),
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err(bad("expected http://host:port or https://host:port"));
     }
     if uri.host().is_none() {
         return Err(bad("no host"));
+    }
+    if as_is {
+        return Ok(uri);
     }
     let path = uri.path().trim_end_matches('/');
     let path = if path.ends_with("/v1/traces") {
@@ -291,15 +325,24 @@ fn retry_after(h: &http::HeaderMap) -> Option<Duration> {
 #[cfg(feature = "grpc")]
 fn grpc_transport(cfg: &ExporterConfig) -> Result<Transport, ExportError> {
     // Validates the URL the same way (scheme, host).
-    http_uri(&cfg.endpoint)?;
+    http_uri(&cfg.endpoint, true)?;
     let ep = tonic::transport::Endpoint::from_shared(cfg.endpoint.clone())
         .map_err(|e| ExportError::Endpoint {
-            url: cfg.endpoint.clone(),
+            url: tokenscope_core::redact_url(&cfg.endpoint),
             why: e.to_string(),
         })?
-        .connect_timeout(Duration::from_secs(5))
-        .tcp_nodelay(true);
-    let client = TraceServiceClient::new(ep.connect_lazy());
+        .connect_timeout(CONNECT_TIMEOUT);
+    // http:// in the clear (HTTP/2 with prior knowledge), https:// with TLS and ALPN h2.
+    let connector = tokenscope_net::connector(
+        &cfg.tls,
+        ConnectOptions {
+            timeout: Some(CONNECT_TIMEOUT),
+            nodelay: true,
+            versions: Versions::Http2,
+            ..ConnectOptions::default()
+        },
+    );
+    let client = TraceServiceClient::new(ep.connect_with_connector_lazy(connector));
     let mut metadata = Vec::new();
     for (k, v) in &cfg.headers {
         let key = tonic::metadata::MetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes())
@@ -320,7 +363,7 @@ impl Transport {
     fn new(cfg: &ExporterConfig) -> Result<Self, ExportError> {
         match cfg.protocol {
             Protocol::Http => {
-                let uri = http_uri(&cfg.endpoint)?;
+                let uri = http_uri(&cfg.endpoint, cfg.endpoint_as_is)?;
                 let mut headers = Vec::new();
                 for (k, v) in &cfg.headers {
                     let name = HeaderName::from_bytes(k.as_bytes())
@@ -329,9 +372,15 @@ impl Transport {
                         HeaderValue::from_str(v).map_err(|_| ExportError::Header(k.clone()))?;
                     headers.push((name, value));
                 }
-                let mut connector = HttpConnector::new();
-                connector.set_nodelay(true);
-                connector.set_connect_timeout(Some(Duration::from_secs(5)));
+                let connector = tokenscope_net::connector(
+                    &cfg.tls,
+                    ConnectOptions {
+                        timeout: Some(CONNECT_TIMEOUT),
+                        nodelay: true,
+                        versions: Versions::Any,
+                        ..ConnectOptions::default()
+                    },
+                );
                 let client = Client::builder(TokioExecutor::new())
                     .pool_idle_timeout(Duration::from_secs(60))
                     .build(connector);
@@ -705,25 +754,34 @@ mod tests {
 
     #[test]
     fn http_endpoints() {
+        let uri = |e: &str| http_uri(e, false).expect("ok").to_string();
         assert_eq!(
-            http_uri("http://127.0.0.1:4318").expect("ok").to_string(),
+            uri("http://127.0.0.1:4318"),
             "http://127.0.0.1:4318/v1/traces"
         );
+        assert_eq!(uri("http://h:4318/"), "http://h:4318/v1/traces");
+        assert_eq!(uri("http://h:4318/otlp"), "http://h:4318/otlp/v1/traces");
+        assert_eq!(uri("http://h:4318/v1/traces"), "http://h:4318/v1/traces");
+        assert_eq!(uri("https://h:4318"), "https://h:4318/v1/traces");
+        // The traces endpoint (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is used as is.
         assert_eq!(
-            http_uri("http://h:4318/").expect("ok").to_string(),
-            "http://h:4318/v1/traces"
+            http_uri("https://h/custom/ingest", true)
+                .expect("ok")
+                .to_string(),
+            "https://h/custom/ingest"
         );
-        assert_eq!(
-            http_uri("http://h:4318/otlp").expect("ok").to_string(),
-            "http://h:4318/otlp/v1/traces"
+        assert!(http_uri("ftp://h:4318", false).is_err());
+        assert!(http_uri("h:4318", false).is_err());
+        assert!(http_uri("not a url", true).is_err());
+        let cfg = ExporterConfig {
+            headers: vec![("authorization".into(), "Bearer s3cret".into())],
+            ..ExporterConfig::default()
+        };
+        let shown = format!("{cfg:?}");
+        assert!(
+            shown.contains("authorization") && !shown.contains("s3cret"),
+            "{shown}"
         );
-        assert_eq!(
-            http_uri("http://h:4318/v1/traces").expect("ok").to_string(),
-            "http://h:4318/v1/traces"
-        );
-        assert!(http_uri("https://h:4318").is_err());
-        assert!(http_uri("h:4318").is_err());
-        assert!(http_uri("not a url").is_err());
         #[cfg(feature = "grpc")]
         assert_eq!("GRPC".parse::<Protocol>().expect("ok"), Protocol::Grpc);
         assert!("thrift".parse::<Protocol>().is_err());

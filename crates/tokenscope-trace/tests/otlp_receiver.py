@@ -9,6 +9,7 @@ code is checked against the reference schema, not against a decoder of our own. 
 made by `crates/tokenscope-otlp/scripts/install-python-otel.sh`.
 
     otlp_receiver.py --protocol http|grpc --out FILE [--port N] [--fail-first N] [--delay-ms N]
+                     [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]] [--require-header K=V]
 
 * prints exactly one line `LISTENING <port>` on stdout once bound to 127.0.0.1 (port 0 =
   ephemeral); everything else goes to stderr;
@@ -25,6 +26,11 @@ made by `crates/tokenscope-otlp/scripts/install-python-otel.sh`.
   end_ns, attributes, events, links, status_code, status_message, trace_state, flags). One
   call's lines are written with one write and then flushed, under a lock; a concurrent reader
   can at worst see a trailing partial line, never lines of a call interleaved with another's;
+* `--tls-cert` / `--tls-key`: serve HTTPS / gRPC over TLS with that certificate (Python's `ssl`
+  module and grpcio's own TLS: stacks independent of the exporter's); `--tls-client-ca`: also
+  require a client certificate signed by that CA (mutual TLS);
+* `--require-header NAME=VALUE`: a call without that header (gRPC: metadata) is refused with
+  401 / UNAUTHENTICATED and not recorded (checks that configured headers arrive);
 * SIGTERM / SIGINT: stops serving and exits with status 0.
 """
 
@@ -141,7 +147,10 @@ def span_lines(protocol: str, req: Any) -> list[str]:
 class Recorder:
     """Appends one call's spans at once; counts calls for `--fail-first`; applies `--delay-ms`."""
 
-    def __init__(self, out: str, fail_first: int, delay_ms: int) -> None:
+    def __init__(
+        self, out: str, fail_first: int, delay_ms: int, require: tuple[str, str] | None = None
+    ) -> None:
+        self.require = require
         try:
             self._fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
@@ -293,6 +302,12 @@ def make_handler(recorder: Recorder) -> type[BaseHTTPRequestHandler]:
             elif encoding not in ("", "identity"):
                 self._error(415, "INVALID_ARGUMENT", f"content encoding {encoding!r} unsupported")
                 return
+            if recorder.require is not None:
+                name, value = recorder.require
+                if self.headers.get(name) != value:
+                    log(f"http: refusing a call without the required header {name!r}")
+                    self._error(401, "UNAUTHENTICATED", f"missing header {name}")
+                    return
             if recorder.before_answer():
                 log("http: failing this export call with 503 (--fail-first)")
                 self._error(503, "UNAVAILABLE", "failing on purpose (--fail-first)")
@@ -311,9 +326,21 @@ def make_handler(recorder: Recorder) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve_http(port: int, recorder: Recorder, stop: threading.Event) -> None:
+def serve_http(port: int, recorder: Recorder, stop: threading.Event, tls: Any = None) -> None:
     server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(recorder))
     server.daemon_threads = True
+    if tls is not None:
+        import ssl
+
+        cert, key, client_ca = tls
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, key)
+        if client_ca:
+            ctx.load_verify_locations(client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        # The handshake runs at accept (in the serving thread); a failed one drops only that
+        # connection (socketserver ignores OSError from get_request).
+        server.socket = ctx.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1})
     thread.daemon = True
     thread.start()
@@ -329,7 +356,7 @@ def serve_http(port: int, recorder: Recorder, stop: threading.Event) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def serve_grpc(port: int, recorder: Recorder, stop: threading.Event) -> None:
+def serve_grpc(port: int, recorder: Recorder, stop: threading.Event, tls: Any = None) -> None:
     try:
         import grpc
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
@@ -341,6 +368,12 @@ def serve_grpc(port: int, recorder: Recorder, stop: threading.Event) -> None:
 
     class TraceService(trace_service_pb2_grpc.TraceServiceServicer):
         def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (generated name)
+            if recorder.require is not None:
+                name, value = recorder.require
+                got = dict(context.invocation_metadata()).get(name)
+                if got != value:
+                    log(f"grpc: refusing a call without the required metadata {name!r}")
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, f"missing metadata {name}")
             if recorder.before_answer():
                 log("grpc: failing this export call with UNAVAILABLE (--fail-first)")
                 context.abort(grpc.StatusCode.UNAVAILABLE, "failing on purpose (--fail-first)")
@@ -356,7 +389,21 @@ def serve_grpc(port: int, recorder: Recorder, stop: threading.Event) -> None:
         ],
     )
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(TraceService(), server)
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    if tls is None:
+        bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    else:
+        cert, key, client_ca = tls
+
+        def read(path: str) -> bytes:
+            with open(path, "rb") as f:
+                return f.read()
+
+        creds = grpc.ssl_server_credentials(
+            [(read(key), read(cert))],
+            root_certificates=read(client_ca) if client_ca else None,
+            require_client_auth=bool(client_ca),
+        )
+        bound = server.add_secure_port(f"127.0.0.1:{port}", creds)
     if bound == 0:
         raise SystemExit(f"otlp_receiver: cannot bind 127.0.0.1:{port} for gRPC")
     server.start()
@@ -389,11 +436,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="answer the first N export calls with 503 / UNAVAILABLE")
     p.add_argument("--delay-ms", type=int, default=0, metavar="N",
                    help="sleep before answering each export call")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
+    p.add_argument("--tls-key", metavar="PEM", help="the key of --tls-cert")
+    p.add_argument("--tls-client-ca", metavar="PEM",
+                   help="require client certificates signed by this CA")
+    p.add_argument("--require-header", metavar="NAME=VALUE",
+                   help="refuse calls without this header / metadata")
     args = p.parse_args(argv)
     if args.fail_first < 0 or args.delay_ms < 0 or not 0 <= args.port <= 65535:
         p.error("--port, --fail-first and --delay-ms must be non-negative (port ≤ 65535)")
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
+        p.error("--tls-cert and --tls-key go together; --tls-client-ca needs them")
+    tls = (args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    require = None
+    if args.require_header:
+        name, sep, value = args.require_header.partition("=")
+        if not sep or not name:
+            p.error("--require-header expects NAME=VALUE")
+        require = (name.strip().lower(), value)
 
-    recorder = Recorder(args.out, args.fail_first, args.delay_ms)
+    recorder = Recorder(args.out, args.fail_first, args.delay_ms, require)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -405,9 +467,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.protocol == "http":
-            serve_http(args.port, recorder, stop)
+            serve_http(args.port, recorder, stop, tls)
         else:
-            serve_grpc(args.port, recorder, stop)
+            serve_grpc(args.port, recorder, stop, tls)
     except OSError as e:
         log(f"cannot serve on 127.0.0.1:{args.port}: {e}")
         return 1

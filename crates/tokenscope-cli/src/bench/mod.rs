@@ -25,7 +25,6 @@ use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use clap::Args;
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use plan::{Arrival, Mix};
@@ -38,12 +37,12 @@ use tokenscope_core::openai::parse_payload_for;
 use tokenscope_core::sse::{parse_event, EventSplitter};
 use tokenscope_core::Endpoint;
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+type HttpClient = Client<tokenscope_net::HttpsConnect, Full<Bytes>>;
 
 /// `tokenscope bench` options.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Base URL of the endpoint (e.g. http://127.0.0.1:4000); the `--endpoint`'s path
+    /// Base URL of the endpoint (e.g. http://127.0.0.1:4000, or https://…); the `--endpoint`'s path
     /// (`/v1/chat/completions`, …) is appended unless the URL already ends in a path.
     #[arg(long)]
     pub target: String,
@@ -51,6 +50,9 @@ pub struct BenchArgs {
     /// (`/v1/responses`) or the Anthropic Messages API (`/v1/messages`).
     #[arg(long, value_enum, default_value_t)]
     pub endpoint: BenchEndpoint,
+    /// `https://` targets: a PEM CA bundle trusted beside the system's roots.
+    #[arg(long)]
+    pub ca_file: Option<std::path::PathBuf>,
     /// Offered rates, requests/s, one level each (e.g. 2,4,8).
     #[arg(long, value_delimiter = ',', required = true)]
     pub rates: Vec<f64>,
@@ -231,7 +233,17 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     let plan = parse_plan(&args)?;
     let mut client = Client::builder(TokioExecutor::new());
     client.pool_max_idle_per_host(args.concurrency.min(4096));
-    let client: HttpClient = client.build(HttpConnector::new());
+    let tls = tokenscope_net::ClientTls::new(&tokenscope_net::TlsOptions {
+        ca_file: args.ca_file.clone(),
+        ..Default::default()
+    })
+    .context("--ca-file")?;
+    // As hyper-util's plain connector before (no connect timeout, Nagle on), plus TLS for
+    // https:// targets.
+    let client: HttpClient = client.build(tokenscope_net::connector(
+        &tls,
+        tokenscope_net::ConnectOptions::default(),
+    ));
     let model = match &args.model {
         Some(m) => m.clone(),
         None => first_model(&client, &plan.base)

@@ -487,6 +487,7 @@ impl MockProc {
         let addr = line
             .trim()
             .strip_prefix("tokenscope mock-engine listening on ")
+            .map(|a| a.trim_end_matches(" (https)"))
             .unwrap_or_else(|| panic!("unexpected mock-engine line {line:?}"))
             .parse()
             .expect("socket addr");

@@ -1342,7 +1342,7 @@ tenant = "search"
                 "name = \"x\"\nurls = [\"http://a\", \"http://a:80\"]",
                 "replica a:80 is listed twice",
             ),
-            ("name = \"x\"\nurls = [\"https://k:s@a:1\"]", "only http://"),
+            ("name = \"x\"\nurls = [\"ftp://k:s@a:1\"]", "not supported"),
             (
                 "name = \"x\"\nurls = [\"http://a:1\", \"http://b:1\"]\nmetrics_url = \"http://m/metrics\"",
                 "metrics_url",

@@ -29,6 +29,7 @@
 
 use std::fmt;
 use std::time::Duration;
+use tokenscope_core::percent_decode;
 
 use crate::ClickHouseError;
 
@@ -358,23 +359,6 @@ fn split_host_port(s: &str) -> Option<(String, Option<u16>)> {
         Some((h, p)) => Some((h.to_owned(), Some(p.parse().ok()?))),
         None => Some((s.to_owned(), None)),
     }
-}
-
-fn percent_decode(s: &str) -> Option<String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 /// The URL with its password replaced by `***` (for error messages); anything that is not a

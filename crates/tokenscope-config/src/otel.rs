@@ -23,6 +23,7 @@
 //! * Empty variables are ignored (unset).
 
 use std::fmt;
+use tokenscope_core::percent_decode;
 
 /// The prefix of the exporter variables.
 pub const OTEL_PREFIX: &str = "OTEL_EXPORTER_OTLP_";
@@ -102,23 +103,6 @@ pub fn parse_headers(var: &str, text: &str) -> Result<Vec<(String, String)>, Hea
 /// An HTTP token character (RFC 9110 `tchar`).
 fn is_token_char(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
-}
-
-fn percent_decode(s: &str) -> Option<String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 /// One setting from an exporter variable: the key path below the root and its text.

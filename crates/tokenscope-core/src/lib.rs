@@ -49,5 +49,5 @@ pub use query::{nearest_rank, nearest_rank_index, Dimension, Format, InvalidQuer
 pub use record::{
     Endpoint, InputBucket, Outcome, PhaseSource, PhaseUpdate, RequestRecord, TokenSource,
 };
-pub use redact::redact_url;
+pub use redact::{percent_decode, redact_url};
 pub use timing::StreamTimer;

@@ -433,6 +433,26 @@ pub(crate) async fn send(
 mod tests {
     use super::*;
 
+    /// A replica named `name` at `base`, without engine state or metrics.
+    fn test_replica(name: String, base: &Uri, policy: EjectPolicy) -> Replica {
+        let pool = UpPool::new(
+            base,
+            Duration::from_secs(1),
+            1,
+            Duration::ZERO,
+            &tokenscope_net::ClientTls::system(),
+        );
+        Replica::new(
+            "pool",
+            name,
+            base.clone(),
+            pool,
+            None,
+            policy,
+            ReplicaMetrics::default(),
+        )
+    }
+
     fn pool(n: usize, eject_ms: u64, max_ms: u64) -> Replicas {
         let policy = EjectPolicy {
             eject: Duration::from_millis(eject_ms),
@@ -444,21 +464,7 @@ mod tests {
                     let base: Uri = format!("http://127.0.0.1:{}", 1000 + i)
                         .parse()
                         .expect("uri");
-                    Replica::new(
-                        "pool",
-                        format!("r{i}"),
-                        base.clone(),
-                        UpPool::new(
-                            &base,
-                            Duration::from_secs(1),
-                            1,
-                            Duration::ZERO,
-                            &tokenscope_net::ClientTls::system(),
-                        ),
-                        None,
-                        policy,
-                        ReplicaMetrics::default(),
-                    )
+                    test_replica(format!("r{i}"), &base, policy)
                 })
                 .collect(),
         )
@@ -604,23 +610,7 @@ mod tests {
         let p = Replicas::new(
             ["s0", "s1"]
                 .iter()
-                .map(|n| {
-                    Replica::new(
-                        "pool",
-                        (*n).to_owned(),
-                        base.clone(),
-                        UpPool::new(
-                            &base,
-                            Duration::from_secs(1),
-                            1,
-                            Duration::ZERO,
-                            &tokenscope_net::ClientTls::system(),
-                        ),
-                        None,
-                        policy,
-                        ReplicaMetrics::default(),
-                    )
-                })
+                .map(|n| test_replica((*n).to_owned(), &base, policy))
                 .collect(),
         );
         let mut tried = Vec::new();
@@ -674,21 +664,7 @@ mod tests {
                 .iter()
                 .map(|a| {
                     let base: Uri = format!("http://{a}").parse().expect("uri");
-                    Replica::new(
-                        "pool",
-                        a.to_string(),
-                        base.clone(),
-                        UpPool::new(
-                            &base,
-                            Duration::from_secs(1),
-                            1,
-                            Duration::ZERO,
-                            &tokenscope_net::ClientTls::system(),
-                        ),
-                        None,
-                        policy,
-                        ReplicaMetrics::default(),
-                    )
+                    test_replica(a.to_string(), &base, policy)
                 })
                 .collect(),
         );

@@ -226,7 +226,7 @@ async fn late_engine_spans_are_joined_by_trace_id() {
 
     let rec = gw.record("otlp-join-1").await;
     assert_eq!(rec["queue_duration_ms"], 12.5);
-    assert_eq!(rec["queue_source"], "engine");
+    assert_eq!(rec["queue_source"], "engine_span");
     assert_eq!(rec["prefill_duration_ms"], 80.5);
     assert_eq!(rec["decode_duration_ms"], 600.0);
     assert_eq!(rec["input_tokens"], 17);
@@ -243,6 +243,6 @@ async fn late_engine_spans_are_joined_by_trace_id() {
         .expect("row");
     assert_eq!(
         (q, qs.as_str(), p, d, i, o),
-        (12.5, "engine", 80.5, 600.0, 17, 33)
+        (12.5, "engine_span", 80.5, 600.0, 17, 33)
     );
 }

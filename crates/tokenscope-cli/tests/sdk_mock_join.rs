@@ -114,7 +114,7 @@ async fn gateway_records_carry_the_sdk_phases() {
         let rows = common::store_table(&gw.store);
         let joined = rows
             .iter()
-            .filter(|r| r["queue_source"] == "engine")
+            .filter(|r| r["queue_source"] == "engine_span")
             .count();
         if rows.len() == 12 && joined == 12 {
             break rows;
@@ -140,7 +140,7 @@ async fn gateway_records_carry_the_sdk_phases() {
             ("decode_duration_ms", "decode_ns"),
         ] {
             let source = column.replace("duration_ms", "source");
-            assert_eq!(r[&source], "engine", "{source} of {trace}");
+            assert_eq!(r[&source], "engine_span", "{source} of {trace}");
             let got_ms = r[column].as_f64().expect("phase");
             let want_ns = s[ns].as_u64().expect("ns");
             // Exact to well below the records' microsecond resolution (1 ns).

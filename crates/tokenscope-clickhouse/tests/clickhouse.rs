@@ -225,9 +225,9 @@ fn gateway_record(id: &str, trace: &str) -> RequestRecord {
 fn joined(r: &RequestRecord) -> RequestRecord {
     let mut r = r.clone();
     r.queue_duration_ms = Some(40.0);
-    r.queue_source = PhaseSource::Engine;
+    r.queue_source = PhaseSource::EngineSpan;
     r.prefill_duration_ms = Some(55.5);
-    r.prefill_source = PhaseSource::Engine;
+    r.prefill_source = PhaseSource::EngineSpan;
     r.input_tokens = Some(700);
     r.input_tokens_source = TokenSource::Engine;
     r.input_bucket = Some(InputBucket::B512To2048);
@@ -283,6 +283,7 @@ fn late_updates_after_and_before_the_row() {
     cold.apply_updates(&[later]).expect("update");
     let mut b3 = joined(&b);
     b3.decode_duration_ms = Some(7.0);
+    b3.decode_source = PhaseSource::EngineSpan;
     assert_eq!(store.get_versioned("b").expect("get"), Some((b3, 3)));
     assert_eq!(cold.pending_updates(), 0);
 

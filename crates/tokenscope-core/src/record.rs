@@ -184,8 +184,15 @@ impl TokenSource {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum PhaseSource {
-    /// Reported by the engine for this very request.
+    /// Reported by the engine for this very request, in its response (vLLM's `metrics`,
+    /// llama.cpp's `timings`, TGI's headers) or by the engine-side SDK.
     Engine,
+    /// Reported by the engine for this very request in its own trace span (vLLM / SGLang OTLP
+    /// `gen_ai.latency.*`), joined to the record by trace id after the response. When the
+    /// response carried the same phase too, the span's value replaces it and the source says
+    /// so (on vLLM 0.32 both are the same engine timestamps: checked on the real server,
+    /// `tests/real_vllm.rs`).
+    EngineSpan,
     /// Derived by the gateway from other measurements (e.g. TTFT − prefill).
     Derived,
     /// Not known.
@@ -198,6 +205,7 @@ impl PhaseSource {
     pub fn as_str(self) -> &'static str {
         match self {
             PhaseSource::Engine => "engine",
+            PhaseSource::EngineSpan => "engine_span",
             PhaseSource::Derived => "derived",
             PhaseSource::None => "none",
         }
@@ -205,9 +213,14 @@ impl PhaseSource {
 
     /// Parses [`PhaseSource::as_str`] back.
     pub fn parse(s: &str) -> Option<Self> {
-        [PhaseSource::Engine, PhaseSource::Derived, PhaseSource::None]
-            .into_iter()
-            .find(|p| p.as_str() == s)
+        [
+            PhaseSource::Engine,
+            PhaseSource::EngineSpan,
+            PhaseSource::Derived,
+            PhaseSource::None,
+        ]
+        .into_iter()
+        .find(|p| p.as_str() == s)
     }
 }
 
@@ -392,8 +405,8 @@ pub struct RequestRecord {
     pub client_request_id: Option<String>,
 }
 
-/// Engine-side phase values that arrive after the record was written (OTLP spans from vLLM or
-/// SGLang), joined to the record by trace id. `None` fields leave the stored value unchanged.
+/// Engine-side phase values that arrive after the response (OTLP spans from vLLM or SGLang),
+/// joined to the record by trace id. `None` fields leave the stored value unchanged.
 /// What a `Some` field does is [`RequestRecord::apply_update`]'s rule, the only statement of it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct PhaseUpdate {
@@ -463,7 +476,8 @@ impl RequestRecord {
     ///
     /// * The update is [sanitised](PhaseUpdate::sanitized) first: a bad value is ignored.
     /// * Every `Some` phase (queue, prefill, decode) replaces the stored one, and its source
-    ///   becomes [`PhaseSource::Engine`].
+    ///   becomes [`PhaseSource::EngineSpan`] (the engine's span is the later, per-request
+    ///   statement of the same engine clock; a response's value it replaces is kept nowhere).
     /// * An engine token count replaces the gateway's own — a missing count, an estimate, a
     ///   chunk count, a tokenizer count — but never a [`TokenSource::Usage`] or
     ///   [`TokenSource::Engine`] count; the source becomes `engine`, and the input bucket
@@ -490,7 +504,7 @@ impl RequestRecord {
         ] {
             if let Some(v) = val {
                 *dst = Some(v);
-                *src = PhaseSource::Engine;
+                *src = PhaseSource::EngineSpan;
             }
         }
         let replaceable = |count: Option<u64>, source: TokenSource| {
@@ -638,11 +652,11 @@ mod tests {
         assert_eq!(r, once);
         assert_eq!(
             (r.queue_duration_ms, r.queue_source),
-            (Some(40.0), PhaseSource::Engine)
+            (Some(40.0), PhaseSource::EngineSpan)
         );
         assert_eq!(
             (r.prefill_duration_ms, r.prefill_source),
-            (Some(0.0), PhaseSource::Engine)
+            (Some(0.0), PhaseSource::EngineSpan)
         );
         assert_eq!(
             (r.decode_duration_ms, r.decode_source),

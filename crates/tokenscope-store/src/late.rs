@@ -342,7 +342,7 @@ mod tests {
         m.insert(&[row("b", "t2"), row("c", "t2"), row("d", "t3")]);
         assert_eq!(m.late.waiting(), 0);
         assert_eq!(m.store.rows[1].queue_duration_ms, Some(2.0));
-        assert_eq!(m.store.rows[2].queue_source, PhaseSource::Engine);
+        assert_eq!(m.store.rows[2].queue_source, PhaseSource::EngineSpan);
         assert_eq!(m.store.rows[3].queue_duration_ms, None);
         assert_eq!(
             m.late.take_unmatched(true, Instant::now()),
@@ -497,6 +497,7 @@ mod tests {
     fn phase_source() -> impl Strategy<Value = PhaseSource> {
         prop_oneof![
             Just(PhaseSource::Engine),
+            Just(PhaseSource::EngineSpan),
             Just(PhaseSource::Derived),
             Just(PhaseSource::None),
         ]

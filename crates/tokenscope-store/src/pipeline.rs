@@ -2709,7 +2709,7 @@ mod tests {
             let got = reader.get(&format!("r{i:06}")).expect("get").expect("row");
             assert_eq!(
                 (got.queue_duration_ms, got.queue_source),
-                (Some(i as f64), tokenscope_core::PhaseSource::Engine)
+                (Some(i as f64), tokenscope_core::PhaseSource::EngineSpan)
             );
         }
         assert_eq!(rec_tx.updates_unmatched(), 0);

@@ -1538,7 +1538,7 @@ pub(crate) mod tests {
         let old = store.get("old").expect("get").expect("row");
         assert_eq!(
             (old.queue_duration_ms, old.queue_source),
-            (Some(3.0), PhaseSource::Engine)
+            (Some(3.0), PhaseSource::EngineSpan)
         );
         drop(store);
         // Reopening is a no-op; readers are accepted now.
@@ -1625,7 +1625,7 @@ pub(crate) mod tests {
         let row = store.get("v2row").expect("get").expect("row");
         assert_eq!(
             (row.prefill_duration_ms, row.prefill_source),
-            (Some(7.0), PhaseSource::Engine)
+            (Some(7.0), PhaseSource::EngineSpan)
         );
         let n = store
             .apply_updates(&[PhaseUpdate {
@@ -1736,9 +1736,9 @@ pub(crate) mod tests {
     fn joined_record(id: &str, trace: &str) -> RequestRecord {
         let mut r = gateway_record(id, trace);
         r.queue_duration_ms = Some(40.0);
-        r.queue_source = PhaseSource::Engine;
+        r.queue_source = PhaseSource::EngineSpan;
         r.prefill_duration_ms = Some(55.5);
-        r.prefill_source = PhaseSource::Engine;
+        r.prefill_source = PhaseSource::EngineSpan;
         // decode: None in the update → unchanged.
         r.input_tokens = Some(700);
         r.input_tokens_source = TokenSource::Engine;

@@ -187,7 +187,7 @@ async fn token_guards_writes_and_ingest() {
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let joined = record_with(&gw, &key, ADMIN).await;
     assert_eq!(joined["queue_duration_ms"], 12500.0);
-    assert_eq!(joined["queue_source"], "engine");
+    assert_eq!(joined["queue_source"], "engine_span");
 
     // The admin token, scheme in lower case, opens the writes.
     let lower = format!("bearer {ADMIN}");

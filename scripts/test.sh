@@ -3,7 +3,8 @@
 #
 # 1. installs what is missing: promtool and the prometheus server (Debian `prometheus`),
 #    clickhouse-server (Debian, scripts/install-clickhouse.sh), llama.cpp's server and a small
-#    GGUF model (scripts/install-llama.sh, cached outside the clone), headless Chromium +
+#    GGUF model (scripts/install-llama.sh, cached outside the clone), a CPU build of vLLM and
+#    that model converted for it (scripts/install-vllm.sh, cached too), headless Chromium +
 #    chromedriver (Debian) with Selenium for the dashboard tests;
 #    cargo-deny and cargo-machete (cargo install --locked, cached in $TOKENSCOPE_CACHE/cargo-tools);
 # 2. checks formatting and lints (cargo fmt, clippy -D warnings), that the workspace builds
@@ -17,8 +18,8 @@
 #   TOKENSCOPE_CACHE   engine/model cache (default: $HOME/.cache/tokenscope)
 #   CI                 set (any value): CARGO_INCREMENTAL=0 unless given
 #   SKIP_INSTALL=1     do not install anything (tests needing a missing part then skip,
-#                      unless TOKENSCOPE_REQUIRE_ENGINE / _PROMTOOL / _PROMETHEUS / _CLICKHOUSE /
-#                      _BROWSER are 1)
+#                      unless TOKENSCOPE_REQUIRE_ENGINE / _VLLM / _PROMTOOL / _PROMETHEUS /
+#                      _CLICKHOUSE / _BROWSER are 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,10 +63,15 @@ if [ "${SKIP_INSTALL:-0}" != "1" ]; then
   step "installing clickhouse-server (Debian package, for the ClickHouse store tests)"
   bash scripts/install-clickhouse.sh
   export TOKENSCOPE_REQUIRE_CLICKHOUSE="${TOKENSCOPE_REQUIRE_CLICKHOUSE:-1}"
-  step "installing llama.cpp server + Gemma 3 270M (cached in $TOKENSCOPE_CACHE)"
-  # Runs in the background while Rust builds: both are long on 2 cores.
-  bash scripts/install-llama.sh > "$TOKENSCOPE_CACHE/install-llama.log" 2>&1 &
-  LLAMA_PID=$!
+  step "installing llama.cpp server + Gemma 3 270M, then vLLM (CPU) and its copy of the model (cached in $TOKENSCOPE_CACHE)"
+  # Runs in the background while Rust builds: both are long on 2 cores. vLLM's conversion
+  # starts from llama's GGUF, so the two run one after the other.
+  ( bash scripts/install-llama.sh > "$TOKENSCOPE_CACHE/install-llama.log" 2>&1 \
+      || { echo "llama.cpp install failed" >> "$TOKENSCOPE_CACHE/install-llama.log"; exit 1; }
+    bash scripts/install-vllm.sh > "$TOKENSCOPE_CACHE/install-vllm.log" 2>&1 \
+      || { echo "vLLM install failed" >> "$TOKENSCOPE_CACHE/install-vllm.log"; exit 2; } ) &
+  ENGINES_PID=$!
+  export TOKENSCOPE_REQUIRE_VLLM="${TOKENSCOPE_REQUIRE_VLLM:-1}"
   step "installing the Python OpenTelemetry SDK (reference OTLP sender for the receiver tests)"
   bash crates/tokenscope-otlp/scripts/install-python-otel.sh > "$TOKENSCOPE_CACHE/install-otel.log" 2>&1 \
     || { cat "$TOKENSCOPE_CACHE/install-otel.log" >&2; exit 1; }
@@ -121,14 +127,23 @@ fi
 step "building tests"
 cargo test --workspace --no-run --quiet
 
-if [ -n "${LLAMA_PID:-}" ]; then
-  step "waiting for the engine install"
-  if ! wait "$LLAMA_PID"; then
+if [ -n "${ENGINES_PID:-}" ]; then
+  step "waiting for the engine installs (llama.cpp, vLLM)"
+  set +e
+  wait "$ENGINES_PID"
+  engines=$?
+  set -e
+  if [ "$engines" = 1 ]; then
     cat "$TOKENSCOPE_CACHE/install-llama.log" >&2
-    echo "engine install failed" >&2
+    echo "engine install failed: llama.cpp" >&2
+    exit 1
+  elif [ "$engines" != 0 ]; then
+    tail -n 40 "$TOKENSCOPE_CACHE/install-vllm.log" >&2
+    echo "engine install failed: vLLM (a CPU that cannot run vLLM says so above)" >&2
     exit 1
   fi
   tail -n 3 "$TOKENSCOPE_CACHE/install-llama.log"
+  tail -n 3 "$TOKENSCOPE_CACHE/install-vllm.log"
 fi
 
 step "cargo test --workspace"

@@ -56,6 +56,16 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.bfloat16
     )
+    # The weights are already dequantised tensors; transformers only keeps a GGUF "quantizer"
+    # marker, which refuses to save. Drop it so that plain safetensors are written.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if hasattr(model, "is_quantized"):
+        try:
+            model.is_quantized = False
+        except AttributeError:
+            pass
     tokenizer.add_bos_token = True
     tokenizer.chat_template = CHAT_TEMPLATE
     model.generation_config.eos_token_id = [1, 106]

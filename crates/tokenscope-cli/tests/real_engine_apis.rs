@@ -104,6 +104,72 @@ fn anthropic_prompt(usage: &Value) -> u64 {
     .sum()
 }
 
+/// Fields that differ from one call to the next whatever the path (ids, clocks, the engine's
+/// timings) or with the engine's cache state (usage: compared on its own).
+const PER_CALL: &[&str] = &[
+    "id",
+    "item_id",
+    "created",
+    "completed_at",
+    "created_at",
+    "timings",
+    "usage",
+    "system_fingerprint",
+];
+
+/// Keys whose string values are generated text. llama.cpp at temperature 0 is not
+/// deterministic across slots and batches (the same prompt decoded beside another request can
+/// pick another token), so the text is compared by presence, not by content; every other field
+/// (event types, indices, roles, stop reasons, models, statuses) must be equal.
+const GENERATED: &[&str] = &["text", "delta", "content", "arguments", "reasoning_content"];
+
+/// A response body or event with the per-call fields removed and generated text masked, at
+/// any depth.
+fn stable(v: &Value) -> Value {
+    match v {
+        Value::Object(m) => Value::Object(
+            m.iter()
+                .filter(|(k, _)| !PER_CALL.contains(&k.as_str()))
+                .map(|(k, v)| {
+                    let v = match v {
+                        Value::String(_) if GENERATED.contains(&k.as_str()) => {
+                            Value::String("<generated>".to_owned())
+                        }
+                        _ => stable(v),
+                    };
+                    (k.clone(), v)
+                })
+                .collect(),
+        ),
+        Value::Array(a) => Value::Array(a.iter().map(stable).collect()),
+        _ => v.clone(),
+    }
+}
+
+/// A usage object reduced to what the cache state does not move: every prompt token (OpenAI's
+/// `input_tokens` counts cache reads, Anthropic's does not) and the output tokens.
+fn usage_totals(usage: &Value) -> (u64, u64) {
+    let input = if usage.get("input_tokens_details").is_some() {
+        usage["input_tokens"].as_u64().unwrap_or(0)
+    } else {
+        anthropic_prompt(usage)
+    };
+    (input, usage["output_tokens"].as_u64().unwrap_or(0))
+}
+
+/// The final usage of a stream: `response.completed`'s, or the Messages API's merged one.
+fn stream_usage(s: &ClientStream) -> Value {
+    if let Some(done) = s
+        .events
+        .iter()
+        .filter_map(|e| e.json.as_ref())
+        .find(|j| j["type"] == "response.completed")
+    {
+        return done["response"]["usage"].clone();
+    }
+    streamed_messages_usage(s)
+}
+
 async fn post(gw: &GatewayProc, path: &str, body: &Value) -> (Value, String) {
     let (status, headers, bytes) = post_json(&gw.url(path), body, &[]).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
@@ -307,7 +373,83 @@ async fn responses_and_messages_on_the_real_engine() {
     }
     ids.push(s.request_id());
 
-    // 6. One row per request, and the report groups by endpoint: per endpoint the requests,
+    // 6. The direct path: the same requests sent to the engine itself and through the gateway,
+    //    back to back, get the same status, the same body (but for ids, clocks and the
+    //    engine's timings, and generated text: see `GENERATED`) or the same events in the same order,
+    //    and the same token totals. A request the engine refuses is refused the same way.
+    let cases = [
+        ("/v1/responses", responses("Name three colours.", 12, false)),
+        (
+            "/v1/responses",
+            responses("Count from one to twenty in words.", 24, true),
+        ),
+        ("/v1/messages", messages("Name a colour.", 8, false)),
+        (
+            "/v1/messages",
+            messages("Count from one to twenty in words.", 24, true),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": MODEL, "max_output_tokens": 4}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": MODEL, "max_tokens": 4, "messages": "x"}),
+        ),
+    ];
+    for (path, body) in &cases {
+        let what = format!("{path} {body}");
+        if body["stream"] == true {
+            let direct = stream(&format!("{}{path}", llama.url()), body, &[], None).await;
+            let through = stream(&gw.url(path), body, &[], None).await;
+            assert_eq!(through.status, direct.status, "{what}");
+            let events = |s: &ClientStream| -> Vec<Value> {
+                s.events
+                    .iter()
+                    .map(|e| e.json.as_ref().map(stable).unwrap_or(json!(e.data)))
+                    .collect()
+            };
+            assert_eq!(events(&through), events(&direct), "{what}");
+            assert_eq!(
+                usage_totals(&stream_usage(&through)),
+                usage_totals(&stream_usage(&direct)),
+                "{what}"
+            );
+            ids.push(through.request_id());
+        } else {
+            let (d_status, _, d_bytes) =
+                post_json(&format!("{}{path}", llama.url()), body, &[]).await;
+            let (status, headers, bytes) = post_json(&gw.url(path), body, &[]).await;
+            assert_eq!(
+                status,
+                d_status,
+                "{what}: {}",
+                String::from_utf8_lossy(&bytes)
+            );
+            let direct: Value = serde_json::from_slice(&d_bytes).expect("direct json");
+            let through: Value = serde_json::from_slice(&bytes).expect("gateway json");
+            assert_eq!(stable(&through), stable(&direct), "{what}");
+            if status == 200 {
+                assert_eq!(
+                    usage_totals(&through["usage"]),
+                    usage_totals(&direct["usage"]),
+                    "{what}"
+                );
+            }
+            let id = headers["x-request-id"].to_str().expect("id").to_owned();
+            let rec = gw.record(&id).await;
+            let outcome = match status {
+                200 => "ok",
+                400..=499 => "client_error",
+                _ => "upstream_error",
+            };
+            assert_eq!(rec["outcome"], outcome, "{what}: {rec}");
+            assert_eq!(rec["http_status"], status, "{what}: {rec}");
+            ids.push(id);
+        }
+    }
+
+    // 7. One row per request, and the report groups by endpoint: per endpoint the requests,
     //    their tokens and their TTFTs are the records'.
     let mut recs = Vec::new();
     for id in &ids {

@@ -13,30 +13,6 @@ use common::*;
 use serde_json::json;
 use std::time::{Duration, Instant};
 
-/// ~`words` tokens of ordinary English prose (Gemma tokenises these words as one token each).
-fn prose(words: usize, salt: &str) -> String {
-    const W: [&str; 12] = [
-        "the",
-        "keeper",
-        "of",
-        "a",
-        "lighthouse",
-        "watched",
-        "ships",
-        "pass",
-        "in",
-        "calm",
-        "grey",
-        "water",
-    ];
-    let mut s = format!("{salt}: ");
-    for i in 0..words {
-        s.push_str(W[i % W.len()]);
-        s.push(' ');
-    }
-    s
-}
-
 fn completion(prompt: &str, max_tokens: u64) -> serde_json::Value {
     json!({
         "model": "gemma-3-270m",

@@ -876,3 +876,27 @@ pub fn promtool_check(text: &str) -> Option<(bool, String)> {
     msg.push_str(&String::from_utf8_lossy(&out.stderr));
     Some((out.status.success(), msg))
 }
+
+/// ~`words` tokens of ordinary English prose (Gemma tokenises these words as one token each).
+pub fn prose(words: usize, salt: &str) -> String {
+    const W: [&str; 12] = [
+        "the",
+        "keeper",
+        "of",
+        "a",
+        "lighthouse",
+        "watched",
+        "ships",
+        "pass",
+        "in",
+        "calm",
+        "grey",
+        "water",
+    ];
+    let mut s = format!("{salt}: ");
+    for i in 0..words {
+        s.push_str(W[i % W.len()]);
+        s.push(' ');
+    }
+    s
+}

@@ -315,8 +315,13 @@ fn a_bad_tls_file_refuses_to_start() {
 
 /// OTLP export to a TLS receiver (Python `ssl` / grpcio) trusted through `ca_file`, with an
 /// authorization header the receiver requires; then the same through the standard
-/// `OTEL_EXPORTER_OTLP_*` variables only.
+/// `OTEL_EXPORTER_OTLP_*` variables only. With `wrong_ca` the gateway trusts another CA: the
+/// requests are served as ever, no span arrives, and every failed export is counted.
 async fn otlp_over_tls(protocol: &str, by_env: bool) {
+    otlp_tls_case(protocol, by_env, false).await;
+}
+
+async fn otlp_tls_case(protocol: &str, by_env: bool, wrong_ca: bool) {
     let (_dir, pki) = pki();
     let Some(rx) = receiver::Receiver::start(
         Path::new(RECEIVER),
@@ -334,7 +339,7 @@ async fn otlp_over_tls(protocol: &str, by_env: bool) {
     };
     let mock = MockProc::start(&[]);
     let endpoint = format!("https://localhost:{}", rx.port);
-    let ca = path(&pki.ca).to_owned();
+    let ca = path(if wrong_ca { &pki.other_ca } else { &pki.ca }).to_owned();
     let wire = if protocol == "grpc" {
         "grpc"
     } else {
@@ -384,6 +389,28 @@ async fn otlp_over_tls(protocol: &str, by_env: bool) {
         .and_then(|v| v.to_str().ok())
         .expect("trace id")
         .to_owned();
+    if wrong_ca {
+        // The exporter retries with backoff; its failures are counted, the request path is
+        // untouched.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let m = gw.metrics().await;
+            if metric_sum(&m, "tokenscope_trace_export_errors_total") >= 1.0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "no export error counted:\n{m}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let again = post_json(&gw.url("/v1/chat/completions"), &chat(false), &[]).await;
+        assert_eq!(again.0, 200);
+        let spans = rx.wait_for_spans(|all| !all.is_empty(), Duration::from_secs(1));
+        assert!(
+            spans.is_empty(),
+            "a span crossed an untrusted TLS: {spans:#?}"
+        );
+        gw.stop();
+        return;
+    }
     let spans = rx.wait_for_spans(
         |all| all.iter().any(|sp| sp["trace_id"] == trace.as_str()),
         Duration::from_secs(20),
@@ -422,10 +449,31 @@ async fn otlp_grpc_over_tls_from_otel_variables() {
     otlp_over_tls("grpc", true).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn otlp_http_to_a_wrong_ca_counts_errors_and_serves() {
+    otlp_tls_case("http", false, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn otlp_grpc_to_a_wrong_ca_counts_errors_and_serves() {
+    otlp_tls_case("grpc", false, true).await;
+}
+
 /// The alert webhook over HTTPS, trusted through `webhook_ca_file`: an error burst's firing
 /// alert arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alert_webhook_over_tls() {
+    webhook_tls_case(false).await;
+}
+
+/// The same with another CA trusted: no alert crosses, each failed delivery is counted, and the
+/// requests are served as ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alert_webhook_to_a_wrong_ca_counts_errors() {
+    webhook_tls_case(true).await;
+}
+
+async fn webhook_tls_case(wrong_ca: bool) {
     let (_dir, pki) = pki();
     let alerts: Arc<Mutex<Vec<Value>>> = Arc::default();
     let a = alerts.clone();
@@ -463,7 +511,7 @@ async fn alert_webhook_over_tls() {
              webhook_ca_file = \"{}\"\nevaluation_interval = \"200ms\"\nwebhook_timeout = \"2s\"\n\
              [alerts.thresholds]\nrate_window_seconds = 2\nsuccess_for_seconds = 1\n\
              token_anomaly_for_seconds = 3600\n",
-            path(&pki.ca)
+            path(if wrong_ca { &pki.other_ca } else { &pki.ca })
         ),
     )
     .expect("write config");
@@ -473,6 +521,19 @@ async fn alert_webhook_over_tls() {
     loop {
         let fault: &[(&str, &str)] = &[("x-mock-fault", "error_500")];
         let _ = post_json(&url, &chat(false), fault).await;
+        if wrong_ca {
+            let m = gw.metrics().await;
+            if metric_sum(&m, "tokenscope_alert_webhook_errors_total") >= 1.0 {
+                assert!(alerts.lock().expect("lock").is_empty(), "an alert crossed");
+                let ok = post_json(&url, &chat(false), &[]).await;
+                assert_eq!(ok.0, 200);
+                gw.stop();
+                return;
+            }
+            assert!(Instant::now() < deadline, "no webhook error counted:\n{m}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
         let fired = alerts
             .lock()
             .expect("lock")

@@ -439,6 +439,8 @@ pub struct UpstreamConfig {
     pub kind: EngineKind,
     /// vLLM: add `"include_metrics": true` to requests, for vLLM builds that gate the
     /// per-request `metrics` object per request as well as by `--enable-per-request-metrics`.
+    /// vLLM 0.32 has no such field: the server flag alone fills `metrics`, and the field is
+    /// ignored with a warning logged per request (checked on the real server: leave this off).
     #[serde(default)]
     pub request_metrics: bool,
     /// Engine metrics URL to scrape instead of `{url}/metrics`.

@@ -19,7 +19,12 @@
 //!    [`DiagnoseOptions::min_samples`] requests and P50(overlapping) / P50(alone) ≥
 //!    [`DiagnoseOptions::starvation_ratio`], the finding is `starvation` ("long prompts starve
 //!    short ones") naming the long bucket. `queueing` when the queue share ≥
-//!    [`DiagnoseOptions::queue_share`]; `slow_ttft` when P99 TTFT > [`DiagnoseOptions::ttft_p99_ms`]
+//!    [`DiagnoseOptions::queue_share`], and before it `queue_kv_bound` (the queue is the KV
+//!    cache's: admission waits for cache room) when, without starvation, the requests' engine
+//!    state at arrival shows KV-cache usage P90 ≥ [`DiagnoseOptions::kv_high`], a small batch
+//!    (P50 running ≤ [`DiagnoseOptions::small_batch`]) and at least one request waiting — what
+//!    a real vLLM shows with too small a cache: its batch stays small and the queue grows, while
+//!    TPOT need not rise; `slow_ttft` when P99 TTFT > [`DiagnoseOptions::ttft_p99_ms`]
 //!    (with `prefill_bound` when the prefill share dominates instead). Any finding → problem.
 //! 3. **tpot** — P50/P99 of TPOT; decode share (Σ decode / Σ total); KV-cache usage at
 //!    arrival (P50/P90 of `engine_kv_usage`); batch size proxy (`engine_running` at arrival:
@@ -42,7 +47,8 @@
 //! others are listed as `also`), or `healthy`. One exception: when the TTFT problem is
 //! queueing / slow TTFT *without* starvation and the TPOT step finds `decode_kv_bound`, the
 //! conclusion is the TPOT step — a full KV cache makes admission wait, so the queueing is a
-//! symptom of the KV cache, not a cause.
+//! symptom of the KV cache, not a cause. (When TPOT is fine but the TTFT step finds
+//! `queue_kv_bound`, the TTFT step is the conclusion and names the cache itself.)
 //!
 //! ## Invariants
 //!
@@ -561,7 +567,39 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
             rat
         ));
     }
-    if queueing {
+    // Engine state at arrival: a queue that forms while the KV cache is near full and the
+    // batch is small is the KV cache's (admission waits for cache room, not for a slot).
+    let kv = sorted_values(with.iter().map(|r| r.engine_kv_usage));
+    let running = sorted_values(with.iter().map(|r| r.engine_running));
+    let waiting = sorted_values(with.iter().map(|r| r.engine_waiting));
+    let (kv90, run50, wait_max) = (
+        percentile(&kv, 0.9),
+        percentile(&running, 0.5),
+        waiting.last().copied(),
+    );
+    if !kv.is_empty() {
+        b.ev("kv_usage_p90", num(kv90));
+        b.ev("running_p50", num(run50));
+        b.ev("waiting_max", num(wait_max));
+    }
+    let kv_bound = queueing
+        && starvation.is_none()
+        && kv90.is_some_and(|k| k >= opts.kv_high)
+        && run50.is_some_and(|r| r <= opts.small_batch)
+        && wait_max.is_some_and(|w| w >= 1.0);
+    if kv_bound {
+        b.find("queue_kv_bound", &kv_remedies());
+        parts.push(format!(
+            "queueing behind a full KV cache: {:.0}% of TTFT is spent waiting in the engine queue while KV-cache usage at arrival is P90 {:.2} ≥ {:.2} with small batches (P50 running {:.1} ≤ {:.0}) and up to {:.0} requests waiting",
+            queue_share.unwrap_or(0.0) * 100.0,
+            kv90.unwrap_or(0.0),
+            opts.kv_high,
+            run50.unwrap_or(0.0),
+            opts.small_batch,
+            wait_max.unwrap_or(0.0)
+        ));
+        b.find("queueing", std::slice::from_ref(&limit));
+    } else if queueing {
         b.find("queueing", &[limit.clone(), cap.clone()]);
         parts.push(format!(
             "queueing: {:.0}% of TTFT is spent waiting in the engine queue",
@@ -598,6 +636,17 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
         parts.join("; ")
     };
     b.step
+}
+
+/// What frees or enlarges the KV cache.
+fn kv_remedies() -> [String; 5] {
+    [
+        "more KV-cache memory: raise gpu_memory_utilization, shard across more GPUs (tensor parallel), or a GPU with more memory".to_owned(),
+        "KV-cache quantization (e.g. fp8 KV cache)".to_owned(),
+        "smaller maximum context (max_model_len) or trimmed conversation history".to_owned(),
+        "fewer concurrent long contexts: route or rate-limit long-context requests separately".to_owned(),
+        "prefix caching so shared prefixes hold KV once".to_owned(),
+    ]
 }
 
 fn tpot_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
@@ -652,16 +701,7 @@ fn tpot_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
     let small = run50.is_some_and(|r| r <= opts.small_batch);
     let bw_high = percentile(&bw, 0.5).is_some_and(|x| x >= 0.8);
     if kv_full && small {
-        b.find(
-            "decode_kv_bound",
-            &[
-                "more KV-cache memory: raise gpu_memory_utilization, shard across more GPUs (tensor parallel), or a GPU with more memory".to_owned(),
-                "KV-cache quantization (e.g. fp8 KV cache)".to_owned(),
-                "smaller maximum context (max_model_len) or trimmed conversation history".to_owned(),
-                "fewer concurrent long contexts: route or rate-limit long-context requests separately".to_owned(),
-                "prefix caching so shared prefixes hold KV once".to_owned(),
-            ],
-        );
+        b.find("decode_kv_bound", &kv_remedies());
         b.step.summary = format!(
             "decode bound by the KV cache: P99 TPOT {:.1} ms > {:.0} ms with KV usage P90 {:.2} ≥ {:.2} and small batches (P50 running {:.1} ≤ {:.0})",
             p99v,
@@ -1242,6 +1282,51 @@ mod tests {
         assert_eq!(r.conclusion.step.as_deref(), Some("tpot"));
         assert_eq!(r.conclusion.findings, vec!["decode_kv_bound".to_owned()]);
         assert_eq!(r.conclusion.also, vec!["ttft".to_owned()]);
+    }
+
+    #[test]
+    fn a_queue_behind_a_full_kv_cache_names_the_cache() {
+        // What a real vLLM shows with too small a cache: requests wait while the batch stays
+        // small and the cache near full; TPOT within its threshold.
+        let mut recs: Vec<_> = (0..20).map(|i| rec(i, i as i64 * 1000, 64, 20.0)).collect();
+        for (i, r) in recs.iter_mut().enumerate() {
+            r.queue_duration_ms = Some(15.0);
+            r.prefill_duration_ms = Some(5.0);
+            r.engine_kv_usage = Some(if i < 3 { 0.3 } else { 0.92 });
+            r.engine_running = Some(3.0);
+            r.engine_waiting = Some(if i < 3 { 0.0 } else { 4.0 });
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        assert_eq!(
+            s.findings,
+            vec!["queue_kv_bound".to_owned(), "queueing".to_owned()]
+        );
+        assert_eq!(s.evidence["kv_usage_p90"], json!(0.92));
+        assert_eq!(s.evidence["running_p50"], json!(3.0));
+        assert_eq!(s.evidence["waiting_max"], json!(4.0));
+        assert_eq!(s.remedies[0], kv_remedies()[0]);
+        assert!(!s.remedies.iter().any(|m| m.contains("chunked prefill")));
+        assert_eq!(step(&r, "tpot").verdict, Verdict::Ok);
+        assert_eq!(r.conclusion.step.as_deref(), Some("ttft"));
+        assert!(
+            r.conclusion.summary.contains("full KV cache"),
+            "{}",
+            r.conclusion.summary
+        );
+        // Nobody waiting: a busy cache is not the queue's cause.
+        for r in &mut recs {
+            r.engine_waiting = Some(0.0);
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        assert_eq!(step(&r, "ttft").findings, vec!["queueing".to_owned()]);
+        // A large batch: not the cache's either.
+        for r in &mut recs {
+            r.engine_waiting = Some(4.0);
+            r.engine_running = Some(32.0);
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        assert_eq!(step(&r, "ttft").findings, vec!["queueing".to_owned()]);
     }
 
     #[test]

@@ -10,19 +10,14 @@
 //! Time is compressed with the mock's `--time-scale`; where a scenario compares against an
 //! absolute latency threshold, the threshold is scaled by the same factor.
 
+mod cases;
 mod common;
 
+use cases::{diagnose, has, step, unix_s};
 use common::{stream, GatewayProc, MockProc};
 use serde_json::{json, Value};
 use std::process::Command;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-fn unix_s() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .expect("clock")
-        .as_secs_f64()
-}
+use std::time::Duration;
 
 /// A chat request whose prompt counts `words × 2 + 4` mock tokens.
 fn chat(words: usize, out: u64) -> Value {
@@ -43,43 +38,6 @@ fn config(dir: &std::path::Path, url: &str) -> String {
     )
     .expect("write config");
     p.to_string_lossy().into_owned()
-}
-
-/// Runs `tokenscope diagnose --format json` over `[since, until]` with extra `args`.
-fn diagnose(store: &str, since: f64, until: f64, args: &[&str]) -> (Value, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_tokenscope"))
-        .args(["diagnose", "--store", store, "--format", "json"])
-        .arg("--since")
-        .arg(format!("@{}", since.floor() - 1.0))
-        .arg("--until")
-        .arg(format!("@{}", until.ceil() + 1.0))
-        .args(args)
-        .env("TOKENSCOPE_LOG", "warn")
-        .output()
-        .expect("run diagnose");
-    assert!(
-        out.status.success(),
-        "diagnose failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8(out.stdout).expect("utf8");
-    (serde_json::from_str(&text).expect("json"), text)
-}
-
-fn step<'a>(report: &'a Value, name: &str) -> &'a Value {
-    report["steps"]
-        .as_array()
-        .expect("steps")
-        .iter()
-        .find(|s| s["step"] == name)
-        .expect("step")
-}
-
-fn has(v: &Value, s: &str) -> bool {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .any(|x| x.as_str().is_some_and(|t| t.contains(s)))
 }
 
 /// Same records loaded into ClickHouse: `diagnose` prints the same JSON.

@@ -4,7 +4,8 @@
 # 1. installs what is missing: promtool and the prometheus server (Debian `prometheus`),
 #    clickhouse-server (Debian, scripts/install-clickhouse.sh), llama.cpp's server and a small
 #    GGUF model (scripts/install-llama.sh, cached outside the clone), a CPU build of vLLM and
-#    that model converted for it (scripts/install-vllm.sh, cached too), headless Chromium +
+#    that model converted for it (scripts/install-vllm.sh, cached too), PyPI's chdb (a current
+#    ClickHouse engine for the modern-dialect store tests, scripts/install-chdb.sh), headless Chromium +
 #    chromedriver (Debian) with Selenium for the dashboard tests;
 #    cargo-deny and cargo-machete (cargo install --locked, cached in $TOKENSCOPE_CACHE/cargo-tools);
 # 2. checks formatting and lints (cargo fmt, clippy -D warnings), that the workspace builds
@@ -19,7 +20,7 @@
 #   CI                 set (any value): CARGO_INCREMENTAL=0 unless given
 #   SKIP_INSTALL=1     do not install anything (tests needing a missing part then skip,
 #                      unless TOKENSCOPE_REQUIRE_ENGINE / _VLLM / _PROMTOOL / _PROMETHEUS /
-#                      _CLICKHOUSE / _BROWSER are 1)
+#                      _CLICKHOUSE / _CHDB / _BROWSER are 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,6 +73,10 @@ if [ "${SKIP_INSTALL:-0}" != "1" ]; then
       || { echo "vLLM install failed" >> "$TOKENSCOPE_CACHE/install-vllm.log"; exit 2; } ) &
   ENGINES_PID=$!
   export TOKENSCOPE_REQUIRE_VLLM="${TOKENSCOPE_REQUIRE_VLLM:-1}"
+  step "installing chdb (a current ClickHouse engine, 26.x) in the background: the store's statements run on it too"
+  ( bash scripts/install-chdb.sh > "$TOKENSCOPE_CACHE/install-chdb.log" 2>&1 ) &
+  CHDB_PID=$!
+  export TOKENSCOPE_REQUIRE_CHDB="${TOKENSCOPE_REQUIRE_CHDB:-1}"
   step "installing the Python OpenTelemetry SDK (reference OTLP sender for the receiver tests)"
   bash crates/tokenscope-otlp/scripts/install-python-otel.sh > "$TOKENSCOPE_CACHE/install-otel.log" 2>&1 \
     || { cat "$TOKENSCOPE_CACHE/install-otel.log" >&2; exit 1; }
@@ -127,6 +132,14 @@ fi
 step "building tests"
 cargo test --workspace --no-run --quiet
 
+if [ -n "${CHDB_PID:-}" ]; then
+  step "waiting for the chdb install"
+  if ! wait "$CHDB_PID"; then
+    cat "$TOKENSCOPE_CACHE/install-chdb.log" >&2
+    echo "chdb install failed" >&2
+    exit 1
+  fi
+fi
 if [ -n "${ENGINES_PID:-}" ]; then
   step "waiting for the engine installs (llama.cpp, vLLM)"
   set +e

@@ -13,12 +13,19 @@
 //! * Shares are fractions (0–1) of the window's totals; `change_pct` is
 //!   `(current − previous) / previous × 100`, `null` when the previous value is 0.
 //!
+//! * Computed by the store: [`analyze_usage`] takes the store's sums per (group, model)
+//!   (`RecordReader::usage`, aggregated in ClickHouse SQL or streamed from SQLite), so the
+//!   process holds one row per group whatever the window's row count. Prices are linear in
+//!   the tokens, so pricing a model's token sums equals pricing its records one by one (up to
+//!   float rounding; the stored costs are summed exactly, in fixed point).
+//!
 //! Invariants: the groups partition the records (their sums are the totals); the order is
 //! cost desc, tokens desc, then key asc, so the JSON is deterministic.
 
-use crate::{csv_opt, total_tokens, AnalysisError, CsvRows, PriceTable, Report, Window};
+use crate::{csv_opt, AnalysisError, CsvRows, PriceTable, Report, Window};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
+use tokenscope_core::usage::{UsageAcc, UsageQuery, UsageRow};
 use tokenscope_core::RequestRecord;
 
 /// The grouping dimensions of `tokenscope cost` ([`DIMENSIONS`], a subset of the report's
@@ -63,15 +70,7 @@ pub fn parse_dimensions(s: &str) -> Result<Vec<Dimension>, AnalysisError> {
 /// The value of cost dimension `d` in `r` ([`NONE`] when unset; also for a dimension outside
 /// [`DIMENSIONS`]).
 pub fn dimension_value(d: Dimension, r: &RequestRecord) -> &str {
-    let v = match d {
-        Dimension::BusinessLine => r.business_line.as_deref(),
-        Dimension::Tenant => r.tenant.as_deref(),
-        Dimension::User => r.user_id.as_deref(),
-        Dimension::Model => Some(r.model.as_str()),
-        Dimension::RequestType => Some(r.request_type.as_str()),
-        _ => None,
-    };
-    v.unwrap_or(NONE)
+    tokenscope_core::usage::usage_label(d, r).unwrap_or(NONE)
 }
 
 /// The key value of an unset dimension.
@@ -97,16 +96,14 @@ pub struct Usage {
 }
 
 impl Usage {
-    fn add(&mut self, r: &RequestRecord, cost: Option<f64>) {
-        self.requests += 1;
-        self.input_tokens += r.input_tokens.unwrap_or(0);
-        self.cached_tokens += r.cached_tokens.unwrap_or(0);
-        self.output_tokens += r.output_tokens.unwrap_or(0);
-        self.tokens += total_tokens(r);
-        match cost {
-            Some(c) => self.cost_usd += c,
-            None => self.unpriced_requests += 1,
-        }
+    fn merge(&mut self, o: &Usage) {
+        self.requests += o.requests;
+        self.input_tokens = self.input_tokens.saturating_add(o.input_tokens);
+        self.cached_tokens = self.cached_tokens.saturating_add(o.cached_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(o.output_tokens);
+        self.tokens = self.tokens.saturating_add(o.tokens);
+        self.cost_usd += o.cost_usd;
+        self.unpriced_requests += o.unpriced_requests;
     }
 }
 
@@ -214,22 +211,6 @@ pub fn record_costs(
     (costs, stored)
 }
 
-fn group(
-    records: &[RequestRecord],
-    costs: &[Option<f64>],
-    by: &[Dimension],
-) -> BTreeMap<Vec<String>, Usage> {
-    let mut groups: BTreeMap<Vec<String>, Usage> = BTreeMap::new();
-    for (r, c) in records.iter().zip(costs) {
-        let key: Vec<String> = by
-            .iter()
-            .map(|d| dimension_value(*d, r).to_owned())
-            .collect();
-        groups.entry(key).or_default().add(r, *c);
-    }
-    groups
-}
-
 fn key_map(by: &[Dimension], key: &[String]) -> BTreeMap<String, String> {
     by.iter()
         .zip(key)
@@ -237,7 +218,78 @@ fn key_map(by: &[Dimension], key: &[String]) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// Computes the report: `records` of `window`, `previous` of `previous_window`.
+/// The `by` dimensions as a store usage query over `window`.
+pub fn usage_query(by: &[Dimension], window: Window) -> UsageQuery {
+    UsageQuery {
+        window,
+        group_by: by.to_vec(),
+    }
+}
+
+/// Prices the usage rows of one window and folds them into groups keyed by their labels.
+/// Returns the groups, the total, the unpriced models and the number of stored costs.
+fn price_rows(
+    rows: &[UsageRow],
+    prices: &PriceTable,
+    window: Window,
+) -> (BTreeMap<Vec<String>, Usage>, Usage, BTreeSet<String>, u64) {
+    // Tokens each model served in the window (for the self-hosted rate).
+    let mut served: BTreeMap<&str, u64> = BTreeMap::new();
+    for r in rows {
+        *served.entry(r.model.as_str()).or_default() +=
+            r.sums.input_tokens.saturating_add(r.sums.output_tokens);
+    }
+    let mut groups: BTreeMap<Vec<String>, Usage> = BTreeMap::new();
+    let mut total = Usage::default();
+    let mut unpriced_models = BTreeSet::new();
+    let mut stored = 0;
+    for r in rows {
+        let s = &r.sums;
+        let unpriced_n = s.requests - s.stored_cost_requests;
+        let computed = if unpriced_n == 0 {
+            Some(0.0)
+        } else {
+            prices.token_cost_of_sums(&r.model, s).or_else(|| {
+                prices
+                    .self_hosted_rate(
+                        &r.model,
+                        window.seconds(),
+                        served.get(r.model.as_str()).copied().unwrap_or(0),
+                    )
+                    .map(|rate| {
+                        rate * s
+                            .unpriced_input_tokens
+                            .saturating_add(s.unpriced_output_tokens)
+                            as f64
+                    })
+            })
+        };
+        let u = Usage {
+            requests: s.requests,
+            input_tokens: s.input_tokens,
+            cached_tokens: s.cached_tokens,
+            output_tokens: s.output_tokens,
+            tokens: s.input_tokens.saturating_add(s.output_tokens),
+            cost_usd: s.stored_cost_usd() + computed.unwrap_or(0.0),
+            unpriced_requests: if computed.is_some() { 0 } else { unpriced_n },
+        };
+        if computed.is_none() {
+            unpriced_models.insert(r.model.clone());
+        }
+        stored += s.stored_cost_requests;
+        let key: Vec<String> = r
+            .labels
+            .iter()
+            .map(|l| l.clone().unwrap_or_else(|| NONE.to_owned()))
+            .collect();
+        groups.entry(key).or_default().merge(&u);
+        total.merge(&u);
+    }
+    (groups, total, unpriced_models, stored)
+}
+
+/// Computes the report from records: `records` of `window`, `previous` of
+/// `previous_window` (summed the way a store sums them, then [`analyze_usage`]).
 pub fn analyze(
     records: &[RequestRecord],
     window: Window,
@@ -246,24 +298,39 @@ pub fn analyze(
     prices: &PriceTable,
     by: &[Dimension],
 ) -> CostReport {
-    let (costs, stored) = record_costs(records, prices, window);
-    let (prev_costs, _) = record_costs(previous, prices, previous_window);
-    let cur = group(records, &costs, by);
-    let mut prev = group(previous, &prev_costs, by);
-    let mut total = Usage::default();
-    for (r, c) in records.iter().zip(&costs) {
-        total.add(r, *c);
-    }
-    let mut prev_total = Usage::default();
-    for (r, c) in previous.iter().zip(&prev_costs) {
-        prev_total.add(r, *c);
-    }
-    let unpriced_models: BTreeSet<String> = records
-        .iter()
-        .zip(&costs)
-        .filter(|(_, c)| c.is_none())
-        .map(|(r, _)| r.model.clone())
-        .collect();
+    let rows = |recs: &[RequestRecord], w: Window| {
+        let mut acc = UsageAcc::new(&usage_query(by, w)).ok();
+        for r in recs {
+            if let Some(acc) = acc.as_mut() {
+                acc.add(r);
+            }
+        }
+        acc.map(UsageAcc::finish).unwrap_or_default()
+    };
+    analyze_usage(
+        &rows(records, window),
+        window,
+        &rows(previous, previous_window),
+        previous_window,
+        prices,
+        by,
+    )
+}
+
+/// Computes the report from a store's usage rows ([`RecordReader::usage`] of
+/// [`usage_query`]`(by, …)` for each window): per-group state only, whatever the row count.
+///
+/// [`RecordReader::usage`]: https://docs.rs/tokenscope-store
+pub fn analyze_usage(
+    rows: &[UsageRow],
+    window: Window,
+    previous: &[UsageRow],
+    previous_window: Window,
+    prices: &PriceTable,
+    by: &[Dimension],
+) -> CostReport {
+    let (cur, total, unpriced_models, stored) = price_rows(rows, prices, window);
+    let (mut prev, prev_total, _, _) = price_rows(previous, prices, previous_window);
     let share = |part: f64, whole: f64| if whole > 0.0 { part / whole } else { 0.0 };
     let mut groups: Vec<(Vec<String>, CostGroup)> = cur
         .into_iter()
@@ -299,11 +366,11 @@ pub fn analyze(
         by: by.to_vec(),
         groups: groups.into_iter().map(|(_, g)| g).collect(),
         total_trend: Trend::of(&total, &prev_total),
+        records_with_computed_cost: total.requests - stored,
         total,
         vanished,
         unpriced_models: unpriced_models.into_iter().collect(),
         records_with_stored_cost: stored,
-        records_with_computed_cost: records.len() as u64 - stored,
     }
 }
 

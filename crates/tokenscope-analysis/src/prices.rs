@@ -13,6 +13,7 @@
 //! with no price entry has no cost (`None`), never 0.
 
 use serde::{Deserialize, Serialize};
+use tokenscope_core::usage::UsageSums;
 use tokenscope_core::RequestRecord;
 
 /// One `[[prices]]` entry.
@@ -79,6 +80,20 @@ impl PriceTable {
                 + output * p.output_per_mtok)
                 / 1e6,
         )
+    }
+
+    /// API-priced cost of the requests of `model` a store summed without a stored cost
+    /// ([`UsageSums`]'s `unpriced_*` sums): [`token_cost`](Self::token_cost) of those sums,
+    /// which prices them exactly as one by one (the price is linear in the tokens). `None` for
+    /// unpriced or self-hosted models.
+    pub fn token_cost_of_sums(&self, model: &str, s: &UsageSums) -> Option<f64> {
+        self.token_cost(&RequestRecord {
+            model: model.to_owned(),
+            input_tokens: Some(s.unpriced_input_tokens),
+            cached_tokens: Some(s.unpriced_cached_within_input),
+            output_tokens: Some(s.unpriced_output_tokens),
+            ..RequestRecord::default()
+        })
     }
 
     /// Self-hosted USD per token for `model`: `hourly × window hours / tokens served` in the

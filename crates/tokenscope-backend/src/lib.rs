@@ -27,7 +27,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tokenscope_clickhouse::{ClickHouseConfig, ClickHouseError, ClickHouseSink, ClickHouseStore};
+/// The ClickHouse store (re-exported for what only it does, e.g. the fleet's alert claims).
+pub use tokenscope_clickhouse::ClickHouseStore;
+use tokenscope_clickhouse::{ClickHouseConfig, ClickHouseError, ClickHouseSink};
 use tokenscope_core::{redact_url, PhaseUpdate, RequestRecord};
 use tokenscope_store::{
     ErrorClass, RecordReader, RecordSink, SqliteStore, StoreError, UnmatchedCounts,

@@ -12,7 +12,6 @@ use common::*;
 use serde_json::{json, Value};
 use std::path::Path;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 fn bin() -> Command {
@@ -119,58 +118,11 @@ fn alerts_rules_take_thresholds_from_config() {
     assert!(!out.status.success());
 }
 
-/// An Alertmanager-style receiver: `POST /api/v2/alerts` with a JSON array; the first
-/// `refuse_first` POSTs get 503 (and are not kept).
-struct Receiver {
-    addr: std::net::SocketAddr,
-    alerts: Arc<Mutex<Vec<Value>>>,
-    posts: Arc<Mutex<u32>>,
-}
-
-async fn receiver(refuse_first: u32) -> Receiver {
-    use axum::routing::post;
-    let alerts: Arc<Mutex<Vec<Value>>> = Arc::default();
-    let posts: Arc<Mutex<u32>> = Arc::default();
-    let (a, p) = (alerts.clone(), posts.clone());
-    let app = axum::Router::new().route(
-        "/api/v2/alerts",
-        post(move |body: axum::body::Bytes| {
-            let (a, p) = (a.clone(), p.clone());
-            async move {
-                let n = {
-                    let mut p = p.lock().expect("lock");
-                    *p += 1;
-                    *p
-                };
-                if n <= refuse_first {
-                    return axum::http::StatusCode::SERVICE_UNAVAILABLE;
-                }
-                let v: Value = serde_json::from_slice(&body).expect("JSON body");
-                let arr = v.as_array().expect("a JSON array").clone();
-                a.lock().expect("lock").extend(arr);
-                axum::http::StatusCode::OK
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app).await;
-    });
-    Receiver {
-        addr,
-        alerts,
-        posts,
-    }
-}
-
 /// The gateway with `[alerts]` posting to `rx`, `thresholds` in `[alerts.thresholds]` and
 /// `extra` TOML after them.
 fn gateway_with_alerts(
     mock: &MockProc,
-    rx: &Receiver,
+    rx: &AlertReceiver,
     thresholds: &str,
     extra: &str,
 ) -> GatewayProc {
@@ -249,7 +201,7 @@ fn by_name<'a>(alerts: &'a [Value], name: &str) -> Vec<&'a Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alerts_error_burst_is_one_firing_and_one_resolved_alert() {
     let mock = MockProc::start(&[]);
-    let rx = receiver(1).await;
+    let rx = alert_receiver(1).await;
     let gw = gateway_with_alerts(
         &mock,
         &rx,
@@ -329,7 +281,7 @@ async fn alerts_error_burst_is_one_firing_and_one_resolved_alert() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alerts_quiet_growing_load_sends_nothing() {
     let mock = MockProc::start(&[]);
-    let rx = receiver(0).await;
+    let rx = alert_receiver(0).await;
     // Every condition evaluated with short windows, the token anomaly included.
     let gw = gateway_with_alerts(
         &mock,
@@ -356,7 +308,7 @@ async fn alerts_quiet_growing_load_sends_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alerts_budget_exceeded_fires_once_per_line_and_severity() {
     let mock = MockProc::start(&[]);
-    let rx = receiver(0).await;
+    let rx = alert_receiver(0).await;
     let gw = gateway_with_alerts(
         &mock,
         &rx,

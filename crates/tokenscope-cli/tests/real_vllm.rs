@@ -485,19 +485,20 @@ async fn vllm_long_prompts_starve_short_ones_spans_only() {
         model: vllm::MODEL,
         long_words: 1500,
         short_words: 12,
-        // vLLM prefills 1,500 tokens in ~1.2 s here: a long prompt every 2.4 s, ~10 short
-        // arrivals beside each and ~10 alone.
-        requests: 160,
-        long_every: 20,
+        // vLLM prefills 1,500 tokens in ~1.2 s on an idle machine (the load measures it).
+        rounds: 8,
+        alone: 3,
+        beside: 6,
         gap: Duration::from_millis(120),
         max_tokens: 4,
     };
     let t0 = unix_s();
-    let streams = head_of_line(&gw.url("/v1/completions"), &load).await;
+    let sent = head_of_line(&gw.url("/v1/completions"), &load).await;
     let t1 = unix_s();
+    assert_eq!(sent.len(), load.requests());
     let mut traces_of = Vec::new();
-    for s in &streams {
-        let rec = gw.record(&s.request_id()).await;
+    for s in &sent {
+        let rec = gw.record(&s.stream.request_id()).await;
         let trace = rec["trace_id"].as_str().expect("trace id").to_owned();
         relay.span(&trace).await;
         traces_of.push(trace);
@@ -507,11 +508,12 @@ async fn vllm_long_prompts_starve_short_ones_spans_only() {
     relay.stop_forwarding();
     let (db, _dir) = gw.stop();
     let rows = store_table(&db);
-    assert_eq!(rows.len(), load.requests, "one row per request");
+    assert_eq!(rows.len(), sent.len(), "one row per request");
     let (r, text) = diagnose(&db.to_string_lossy(), t0, t1, &[]);
     eprintln!("vLLM case 1 diagnose:\n{text}");
     let (mut short_queue, mut long_queue) = (Vec::new(), Vec::new());
-    for (i, s) in streams.iter().enumerate() {
+    for (i, sent) in sent.iter().enumerate() {
+        let s = &sent.stream;
         let id = s.request_id();
         let row = row_of(&rows, &id);
         let last = s
@@ -544,14 +546,14 @@ async fn vllm_long_prompts_starve_short_ones_spans_only() {
             );
         }
         assert_eq!(row_sources(row), ["engine_span"; 3], "{id}");
-        if load.is_long(i) {
+        if sent.long {
             assert!(f(&row["input_tokens"]) >= 1400.0, "{row:?}");
             long_queue.push(got[0]);
         } else {
             short_queue.push(got[0]);
         }
     }
-    assert_eq!(r["requests"], load.requests as u64, "{text}");
+    assert_eq!(r["requests"], sent.len() as u64, "{text}");
     let ratio = assert_names_starvation(&r, &text, "512-2048");
     let worst_short = short_queue.iter().copied().fold(0.0, f64::max);
     eprintln!(

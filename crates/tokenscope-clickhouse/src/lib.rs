@@ -12,10 +12,11 @@
 //!   insert, read back (`FINAL`), stream `TabSeparated` results and sweep old partitions.
 //! * [`sink`] — [`ClickHouseSink`]: the pipeline's [`RecordSink`](tokenscope_store::RecordSink),
 //!   with late engine updates (re-insert with a higher `row_version`) and pending updates.
-//! * [`report`] — the read side: the report's SQL in ClickHouse's dialect
-//!   ([`clickhouse_select`], [`ch_string`]), `ClickHouseStore::report` (the embedded store's
-//!   grouped report with exact percentiles, computed by the same scanner from a streamed
-//!   `FINAL` read) and the [`RecordReader`](tokenscope_store::RecordReader) implementation.
+//! * [`report`] — the read side: the report aggregated by ClickHouse itself
+//!   ([`clickhouse_aggregate`]: one row per group, exact nearest-rank quantiles in SQL,
+//!   decoded by [`decode_group`] and finished by the embedded store's code, so both stores
+//!   give the same report bit for bit) and the
+//!   [`RecordReader`](tokenscope_store::RecordReader) implementation.
 //! * [`error`] — [`ClickHouseError`] and its [`ErrorClass`](tokenscope_store::ErrorClass).
 //! * `testutil` (feature `test-util`) — real-server harness for tests.
 //!
@@ -42,7 +43,7 @@ pub mod testutil;
 
 pub use config::ClickHouseConfig;
 pub use error::ClickHouseError;
-pub use report::{ch_string, clickhouse_select, ReportSelect};
+pub use report::{ch_string, clickhouse_aggregate, clickhouse_usage, decode_group, decode_usage};
 pub use schema::{Dialect, SCHEMA_VERSION};
 pub use sink::ClickHouseSink;
 pub use store::ClickHouseStore;

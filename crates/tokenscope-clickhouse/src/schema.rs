@@ -28,7 +28,8 @@
 //! dialect: `LowCardinality` for low-cardinality text, `DateTime64(6, 'UTC')` via
 //! `fromUnixTimestamp64Micro`, `CODEC(Delta, ZSTD)` on the time columns and `ZSTD` on the prompt
 //! text, a `bloom_filter` skipping index on `trace_id` (late engine updates look rows up by
-//! trace id) and, with `ttl_days`, `TTL toDateTime(created_at) + INTERVAL N DAY`. Each of those
+//! trace id) and, with `ttl_days`, `TTL toStartOfDay(toDateTime(created_at)) + INTERVAL N+1 DAY`
+//! (whole UTC days: the rows the old servers' retention sweep keeps). Each of those
 //! appeared between 19.1 and 20.5 (the last, `fromUnixTimestamp64Micro`, in 20.5); 20.8 is the
 //! first LTS release that has all of them, and we did not test anything older than that on the
 //! modern path. Older servers (the test server is Debian's 18.16) get plain types with the same
@@ -70,6 +71,19 @@
 //!   v4) and `replica` (`LowCardinality(String)`, plain `String` on old servers) after it:
 //!   the upstream replica that served the request, `host:port`; `''` when none was chosen,
 //!   and for older rows. On the data table and, in a cluster, on the `Distributed` table.
+//! * v6 — `tokenscope_alert_claims (fingerprint, replica, claimed_at_us)`: before a gateway of
+//!   a fleet sends a firing alert it claims the incident there; the earliest claim within
+//!   the hold time sends, the others stay quiet (`ClickHouseStore::claim`).
+//! * v5 — on modern servers, `bloom_filter` skipping indexes on `user_id`, `tenant` and
+//!   `business_line` (data tables; none on old servers, which have no skipping indexes).
+//!   How the table serves the article's queries: per model and time by the sorting key
+//!   `(toDate(created_at), model, created_at_us, …)` and the daily partitions; per caller
+//!   and time by the daily partitions plus these indexes, which skip the granules (8 192
+//!   rows) that hold no row of the caller. A projection ordered by caller would serve that
+//!   better, but every read here is `FINAL` (`ReplacingMergeTree`), which projections do
+//!   not serve. Indexes added to an existing table cover parts written after the migration
+//!   (`ALTER TABLE … MATERIALIZE INDEX idx_user_id` covers the old ones, a background
+//!   rewrite).
 
 use crate::ClickHouseError;
 
@@ -296,7 +310,13 @@ impl Dialect {
         ttl_days: Option<u32>,
     ) -> String {
         let ttl = match ttl_days {
-            Some(n) if self.ttl => format!("\nTTL toDateTime(created_at) + INTERVAL {n} DAY"),
+            // Whole UTC days, as the old servers' retention sweep keeps them: a row expires
+            // when its day is before today − N (a row-precise `created_at + N DAY` would
+            // delete part of the oldest day the sweep keeps).
+            Some(n) if self.ttl => format!(
+                "\nTTL toStartOfDay(toDateTime(created_at)) + INTERVAL {} DAY",
+                u64::from(n) + 1
+            ),
             _ => String::new(),
         };
         format!(
@@ -390,7 +410,41 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "cache_creation_tokens Nullable(UInt64) and replica (the upstream replica that served the request)",
         statements: v4,
     },
+    Migration {
+        version: 5,
+        description: "skipping indexes on user_id, tenant and business_line (per-caller queries over time; modern servers)",
+        statements: v5,
+    },
+    Migration {
+        version: 6,
+        description: "tokenscope_alert_claims: which gateway of a fleet sends an alert",
+        statements: v6,
+    },
 ];
+
+/// The alert claims table (v6): one row per claim, `(fingerprint, replica, claimed_at_us)`.
+pub const CLAIMS_TABLE: &str = "tokenscope_alert_claims";
+
+/// v6: the claims table on the node the gateway talks to (also in a cluster: the gateways of
+/// a fleet claim through the same entry node; `ON CLUSTER` creates it on every node so any
+/// of them can be the entry). A plain `MergeTree`; old claims are small and few (one per
+/// alert incident and replica), dropped by `TTL` after 7 days on modern servers.
+fn v6(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
+    let on = match (cx.target, cx.cluster) {
+        (Target::OnCluster, Some(c)) => Some(c),
+        _ => None,
+    };
+    let ttl = if d.ttl {
+        "\nTTL toDateTime(intDiv(claimed_at_us, 1000000)) + INTERVAL 7 DAY"
+    } else {
+        ""
+    };
+    vec![format!(
+        "CREATE TABLE IF NOT EXISTS {}.{CLAIMS_TABLE}{} (fingerprint String, replica String, claimed_at_us Int64) ENGINE = MergeTree ORDER BY (fingerprint, claimed_at_us){ttl}",
+        cx.database,
+        on_cluster_clause(on),
+    )]
+}
 
 /// The newest schema version this build knows.
 pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
@@ -492,6 +546,34 @@ fn add_column(
         on_cluster_clause(on_cluster),
         if d.is_modern() { "IF NOT EXISTS " } else { "" }
     )
+}
+
+/// The per-caller skipping indexes of v5 (see the module docs).
+pub const CALLER_INDEXES: [(&str, &str); 3] = [
+    ("idx_user_id", "user_id"),
+    ("idx_tenant", "tenant"),
+    ("idx_business_line", "business_line"),
+];
+
+fn v5(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
+    if !d.skip_index {
+        return Vec::new();
+    }
+    let (data, on) = match (cx.target, cx.cluster) {
+        (Target::Single, _) | (_, None) => (TABLE, None),
+        (Target::ClusterNode, Some(_)) => (LOCAL_TABLE, None),
+        (Target::OnCluster, Some(c)) => (LOCAL_TABLE, Some(c)),
+    };
+    CALLER_INDEXES
+        .iter()
+        .map(|(name, col)| {
+            format!(
+                "ALTER TABLE {}.{data}{} ADD INDEX IF NOT EXISTS {name} {col} TYPE bloom_filter(0.01) GRANULARITY 4",
+                cx.database,
+                on_cluster_clause(on),
+            )
+        })
+        .collect()
 }
 
 fn v4(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
@@ -649,7 +731,7 @@ mod tests {
             "    outcome LowCardinality(String),\n",
             "    prompt_text Nullable(String) CODEC(ZSTD(3)),\n",
             "    row_version UInt64,\n    INDEX idx_trace_id trace_id TYPE bloom_filter(0.01) GRANULARITY 4\n)",
-            "ORDER BY (toDate(created_at), model, created_at_us, request_id)\nTTL toDateTime(created_at) + INTERVAL 30 DAY",
+            "ORDER BY (toDate(created_at), model, created_at_us, request_id)\nTTL toStartOfDay(toDateTime(created_at)) + INTERVAL 31 DAY",
         ] {
             assert!(s.contains(present), "{present:?} missing in {s}");
         }

@@ -511,6 +511,40 @@ impl ClickHouseStore {
         Ok(())
     }
 
+    /// Claims the alert incident `fingerprint` for `replica` (schema v6): inserts the claim
+    /// stamped `now_us`, waits `settle` for the other replicas' claims of the same incident
+    /// to land, then answers whether this replica holds the earliest claim of the last
+    /// `hold_us` (ties broken by replica name). Exactly one of several replicas that claim
+    /// within the hold gets `true`; a replica whose claim arrives after the winner's settle
+    /// sees the winner's earlier claim and gets `false`.
+    pub fn claim(
+        &self,
+        fingerprint: &str,
+        replica: &str,
+        now_us: i64,
+        settle: std::time::Duration,
+        hold_us: i64,
+    ) -> Result<bool, ClickHouseError> {
+        let table = format!(
+            "{}.{}",
+            self.inner.cfg.database,
+            crate::schema::CLAIMS_TABLE
+        );
+        self.execute(&format!(
+            "INSERT INTO {table} (fingerprint, replica, claimed_at_us) VALUES ({}, {}, {now_us})",
+            ch_string(fingerprint),
+            ch_string(replica)
+        ))?;
+        std::thread::sleep(settle);
+        let winner = self.query_text(&format!(
+            "SELECT replica FROM {table} WHERE fingerprint = {} AND claimed_at_us >= {} \
+             ORDER BY claimed_at_us, replica LIMIT 1",
+            ch_string(fingerprint),
+            now_us.saturating_sub(hold_us)
+        ))?;
+        Ok(winner.trim_end_matches('\n') == replica)
+    }
+
     /// Rows in `llm_inference_log` after deduplication (`FINAL`).
     pub fn count(&self) -> Result<u64, ClickHouseError> {
         self.fetch_one::<u64>(format!(

@@ -6,6 +6,10 @@
 //!   killed with `SIGKILL`).
 //! * [`ClickHouseCluster`] — two such servers that know each other as the two shards of the
 //!   cluster [`CLUSTER_NAME`] (`remote_servers`, no ZooKeeper).
+//! * [`ChdbServer`] — a current ClickHouse engine (PyPI's chdb, 26.x) behind ClickHouse's HTTP
+//!   interface (`scripts/chdb-http.py`), so the store's statements run on a modern engine too;
+//!   [`chdb_or_skip`] follows the convention below with `TOKENSCOPE_REQUIRE_CHDB`.
+//! * [`Engine`] — what a test that runs on either needs (a store URL, SQL).
 //! * [`clickhouse_available`] / [`clickhouse_or_skip`] — the repository's convention: an absent
 //!   binary skips the test with a message, unless `TOKENSCOPE_REQUIRE_CLICKHOUSE=1`, which turns
 //!   absence into a failure. `scripts/install-clickhouse.sh` installs the server.
@@ -102,6 +106,185 @@ fn xml_escape(s: &str) -> String {
         .replace('<', "&lt;")
         .replace('>', "&gt;")
         .replace('"', "&quot;")
+}
+
+/// One HTTP/1.0 request to `127.0.0.1:port`; `(status, body)`.
+fn http_request(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: &str,
+    auth: Option<(&str, &str)>,
+) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let mut req = format!(
+        "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if let Some((u, p)) = auth {
+        let _ = write!(req, "X-ClickHouse-User: {u}\r\n");
+        if !p.is_empty() {
+            let _ = write!(req, "X-ClickHouse-Key: {p}\r\n");
+        }
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes())?;
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp)?;
+    let text = String::from_utf8_lossy(&resp).into_owned();
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// What the tests that run on either engine need of it: a store URL and a way to run SQL.
+pub trait Engine {
+    /// `clickhouse://…/database` of the engine.
+    fn url(&self, database: &str) -> String;
+    /// Runs `sql` as `default`; returns the body. Panics with the body on an error.
+    fn query(&self, sql: &str) -> String;
+    /// `SELECT version()`.
+    fn version(&self) -> String {
+        self.query("SELECT version()").trim().to_owned()
+    }
+}
+
+impl Engine for ClickHouseServer {
+    fn url(&self, database: &str) -> String {
+        ClickHouseServer::url(self, database)
+    }
+    fn query(&self, sql: &str) -> String {
+        ClickHouseServer::query(self, sql)
+    }
+}
+
+/// The Python interpreter of the chdb venv (`$TOKENSCOPE_CACHE/chdb.env`, written by
+/// `scripts/install-chdb.sh`), if installed.
+pub fn chdb_python() -> Option<PathBuf> {
+    let cache = std::env::var("TOKENSCOPE_CACHE").unwrap_or_else(|_| {
+        format!(
+            "{}/.cache/tokenscope",
+            std::env::var("HOME").unwrap_or_default()
+        )
+    });
+    let text = std::fs::read_to_string(format!("{cache}/chdb.env")).ok()?;
+    let p = text
+        .lines()
+        .find_map(|l| l.strip_prefix("CHDB_PYTHON="))
+        .map(|p| PathBuf::from(p.trim()))?;
+    p.exists().then_some(p)
+}
+
+/// `true` when chdb is installed. Otherwise prints a skip message and returns `false`, or
+/// panics when `TOKENSCOPE_REQUIRE_CHDB=1`.
+pub fn chdb_or_skip() -> bool {
+    if chdb_python().is_some() {
+        return true;
+    }
+    if std::env::var("TOKENSCOPE_REQUIRE_CHDB").as_deref() == Ok("1") {
+        panic!(
+            "chdb is required (TOKENSCOPE_REQUIRE_CHDB=1) but not installed: run scripts/install-chdb.sh"
+        );
+    }
+    eprintln!("SKIPPED: chdb not installed (run scripts/install-chdb.sh)");
+    false
+}
+
+/// A current ClickHouse engine (PyPI's chdb, 26.x) behind ClickHouse's HTTP interface
+/// (`scripts/chdb-http.py`), on a free loopback port, with its data in a temporary directory;
+/// killed (its process group) when dropped. No compression, TLS, users or clusters.
+#[derive(Debug)]
+pub struct ChdbServer {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    port: u16,
+}
+
+impl ChdbServer {
+    /// Starts it and waits until `GET /ping` answers (60 s: chdb loads a 550 MB library).
+    pub fn start() -> Result<Self, HarnessError> {
+        let python = chdb_python().ok_or(HarnessError::NotInstalled)?;
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/chdb-http.py");
+        let dir = tempfile::Builder::new()
+            .prefix("tokenscope-chdb-")
+            .tempdir()?;
+        let port = free_port()?;
+        let log = std::fs::File::create(dir.path().join("chdb.log"))?;
+        let child = Command::new(python)
+            .arg(&script)
+            .arg(dir.path().join("data"))
+            .arg(port.to_string())
+            .current_dir(dir.path())
+            .env("TMPDIR", dir.path())
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .process_group(0)
+            .spawn()?;
+        let mut s = ChdbServer {
+            child: Some(child),
+            dir,
+            port,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if matches!(http_request(port, "GET", "/ping", "", None), Ok((200, b)) if b.starts_with("Ok."))
+            {
+                return Ok(s);
+            }
+            let exited = s
+                .child
+                .as_mut()
+                .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))));
+            if exited || Instant::now() > deadline {
+                let log =
+                    std::fs::read_to_string(s.dir.path().join("chdb.log")).unwrap_or_default();
+                return Err(HarnessError::Startup(format!("chdb-http: {log}")));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Its HTTP port.
+    pub fn http_port(&self) -> u16 {
+        self.port
+    }
+}
+
+impl Engine for ChdbServer {
+    fn url(&self, database: &str) -> String {
+        format!("clickhouse://default@127.0.0.1:{}/{database}", self.port)
+    }
+    fn query(&self, sql: &str) -> String {
+        match http_request(self.port, "POST", "/", sql, None) {
+            Ok((200, body)) => body,
+            Ok((status, body)) => panic!("query failed ({status}): {sql}\n{body}"),
+            Err(e) => panic!("query failed: {sql}: {e}"),
+        }
+    }
+}
+
+impl Drop for ChdbServer {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", c.id())])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
 
 /// Options of a server to start.
@@ -406,34 +589,7 @@ impl ClickHouseServer {
         body: &str,
         auth: Option<(&str, &str)>,
     ) -> std::io::Result<(u16, String)> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.http_port))?;
-        s.set_read_timeout(Some(Duration::from_secs(60)))?;
-        let mut req = format!(
-            "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Length: {}\r\n",
-            body.len()
-        );
-        if let Some((u, p)) = auth {
-            let _ = write!(req, "X-ClickHouse-User: {u}\r\n");
-            if !p.is_empty() {
-                let _ = write!(req, "X-ClickHouse-Key: {p}\r\n");
-            }
-        }
-        req.push_str("\r\n");
-        req.push_str(body);
-        s.write_all(req.as_bytes())?;
-        let mut resp = Vec::new();
-        s.read_to_end(&mut resp)?;
-        let text = String::from_utf8_lossy(&resp).into_owned();
-        let status = text
-            .split(' ')
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = text
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        Ok((status, body))
+        http_request(self.http_port, method, path, body, auth)
     }
 
     /// Runs `sql` as `default` over HTTP; returns the body. Panics with the body on an error.

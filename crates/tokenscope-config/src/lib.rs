@@ -156,6 +156,42 @@ impl Default for PipelineSection {
     }
 }
 
+/// `[fleet]`: several gateways on one store. Every `refresh_interval_ms` the gateway reads
+/// the fleet's numbers from the store (aggregated there): the usage of each budget's current
+/// period (so the budget gauge and its alerts count every replica's requests) and the P99 per
+/// tail-sampler key over the last `p99_window_s` seconds (so "slower than the P99 of its key"
+/// is the fleet's P99). Alerts are claimed in the store before they are sent, so one incident
+/// gives one notification, not one per replica. On by default with a ClickHouse store, off
+/// with SQLite unless `refresh_interval_ms` is set.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FleetSection {
+    /// How often the fleet's numbers are read (ms); `0` = never; unset = 10 000 with a
+    /// ClickHouse store, never with SQLite.
+    pub refresh_interval_ms: Option<u64>,
+    /// Window of the fleet P99 per sampler key, seconds.
+    pub p99_window_s: u64,
+    /// This gateway's name in the alert claims (default: host name and process id).
+    pub replica_id: Option<String>,
+    /// How long a replica waits after claiming an alert for the others' claims (ms).
+    pub claim_settle_ms: u64,
+    /// How long a claim holds: within it, the first claimant of an incident is the only one
+    /// that notifies (s).
+    pub claim_hold_s: u64,
+}
+
+impl Default for FleetSection {
+    fn default() -> Self {
+        Self {
+            refresh_interval_ms: None,
+            p99_window_s: 600,
+            replica_id: None,
+            claim_settle_ms: 2_000,
+            claim_hold_s: 3_600,
+        }
+    }
+}
+
 /// `[spool]`: the on-disk buffer for batches the store cannot take now (slow, failing, down),
 /// replayed oldest-first when it recovers and after a restart.
 #[derive(Debug, Clone, Deserialize)]
@@ -756,6 +792,8 @@ pub struct GatewayConfig {
     pub limits: LimitsSection,
     /// Access to the admin listener and limits of its write routes (`[admin]`).
     pub admin: AdminSection,
+    /// Several gateways on one store (`[fleet]`).
+    pub fleet: FleetSection,
 }
 
 impl Default for GatewayConfig {
@@ -793,6 +831,7 @@ impl Default for GatewayConfig {
             dashboard: DashboardSection::default(),
             limits: LimitsSection::default(),
             admin: AdminSection::default(),
+            fleet: FleetSection::default(),
         }
     }
 }

@@ -42,6 +42,7 @@ pub mod sse;
 pub mod success;
 pub mod time;
 pub mod timing;
+pub mod usage;
 pub mod w3c;
 
 pub use engine::{Engine, EngineKind};

@@ -511,12 +511,18 @@ mod tests {
 
     #[test]
     fn vllm_per_request_metrics() {
-        // Shape from vLLM docs/features/per_request_metrics.md.
-        let p = parse_payload(br#"{"id":"chatcmpl-abc123","object":"chat.completion","model":"meta-llama/Llama-3.1-8B-Instruct","choices":[{"index":0,"message":{"role":"assistant","content":"Paris"},"finish_reason":"stop"}],"usage":{"prompt_tokens":42,"completion_tokens":128,"total_tokens":170},"metrics":{"time_to_first_token_ms":85.2,"generation_time_ms":1240.5,"queue_time_ms":12.3,"mean_itl_ms":9.1,"tokens_per_second":103.2}}"#).expect("valid");
+        // A real vLLM 0.32.0 response (`--enable-per-request-metrics`), captured by
+        // scripts/capture-vllm-fixtures.py.
+        let p = parse_payload(include_bytes!(
+            "../../tokenscope-cli/tests/fixtures/vllm/chat.json"
+        ))
+        .expect("valid");
         let m = p.metrics.expect("metrics");
-        assert_eq!(m.queue_time_ms, Some(12.3));
-        assert_eq!(m.time_to_first_token_ms, Some(85.2));
-        assert_eq!(m.generation_time_ms, Some(1240.5));
+        assert_eq!(m.queue_time_ms, Some(0.04423100472195074));
+        assert_eq!(m.time_to_first_token_ms, Some(77.39007399504771));
+        assert_eq!(m.generation_time_ms, Some(361.67389700131025));
+        assert_eq!(p.usage.and_then(|u| u.prompt_tokens), Some(17));
+        assert_eq!(p.finish_reason.as_deref(), Some("length"));
         let odd = parse_payload(br#"{"choices":[],"metrics":"n/a"}"#).expect("valid");
         assert_eq!(odd.metrics, None);
     }

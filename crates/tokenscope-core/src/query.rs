@@ -294,6 +294,14 @@ impl FromStr for Format {
     }
 }
 
+/// The fixed-point units an order-independent sum adds per value: `⌊x·2³² + ½⌋` (a float
+/// holding an integer; ~2·10⁻¹⁰ of the unit). IEEE operations a SQL engine reproduces bit for
+/// bit (ClickHouse's `floor(x * 4294967296 + 0.5)`), so sums of these units — and the means
+/// and totals made from them — are the same on every store and in any row order.
+pub fn exact_sum_units(x: f64) -> f64 {
+    (x * 4_294_967_296.0 + 0.5).floor()
+}
+
 /// The 1-based nearest rank `k = ⌈q·n⌉` (at least 1, at most `n`) of quantile `q ∈ [0, 1]`
 /// among `n` values (see the module docs). `q` is taken in millionths, so `q·n` is exact.
 pub fn nearest_rank_index(n: usize, q: f64) -> usize {

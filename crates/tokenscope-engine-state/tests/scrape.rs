@@ -18,6 +18,10 @@ use tokenscope_engine_state::{
 };
 
 const VLLM: &str = include_str!("fixtures/vllm_metrics.txt");
+/// A real vLLM 0.32.0 (CPU) `/metrics`, captured by `scripts/capture-vllm-fixtures.py` after
+/// three requests (43 prompt tokens, 24 generated); the flags it ran with are in
+/// `requests.json` beside it.
+const VLLM_REAL: &str = include_str!("../../tokenscope-cli/tests/fixtures/vllm/metrics.txt");
 const SGLANG: &str = include_str!("fixtures/sglang_metrics.txt");
 const TGI: &str = include_str!("fixtures/tgi_metrics.txt");
 const LLAMACPP: &str = include_str!("fixtures/llamacpp_metrics.txt");
@@ -237,6 +241,84 @@ async fn recorded_vllm_exposition_yields_the_normalised_gauges() {
     )
     .expect("hit gauge");
     assert!(close(hit, 0.9), "{hit}");
+}
+
+/// The real vLLM 0.32.0 exposition, as captured: one engine, idle, 43 prefix-cache queries and
+/// no hits. Then the same text with its gauge lines set to a busy engine's values (the line
+/// format is the real one; only the numbers change).
+#[tokio::test]
+async fn real_vllm_0_32_exposition_yields_its_own_numbers() {
+    let line =
+        |name: &str, v: &str| format!("{name}{{engine=\"0\",model_name=\"gemma-3-270m\"}} {v}");
+    for (name, v) in [
+        ("vllm:num_requests_running", "0.0"),
+        ("vllm:num_requests_waiting", "0.0"),
+        ("vllm:kv_cache_usage_perc", "0.0"),
+        ("vllm:prefix_cache_queries_total", "43.0"),
+        ("vllm:prefix_cache_hits_total", "0.0"),
+    ] {
+        assert!(
+            VLLM_REAL.lines().any(|l| l == line(name, v)),
+            "the capture has {}",
+            line(name, v)
+        );
+    }
+    let (addr, ep) = serve(Some(VLLM_REAL), Duration::ZERO).await;
+    let handle = engine("vllm-real", addr, EngineKind::Auto);
+    let snap = eventually("a snapshot of the real exposition", || handle.snapshot()).await;
+    assert_eq!(snap.kind, Some("vllm"), "detected from the real names");
+    assert_eq!(snap.running, 0.0);
+    assert_eq!(snap.waiting, 0.0);
+    assert_eq!(snap.kv_usage, Some(0.0));
+    assert_eq!(snap.prefix_cache_hit_ratio_cumulative, Some(0.0), "0 / 43");
+    assert_eq!(handle.last_error(), None);
+
+    let busy = VLLM_REAL
+        .replace(
+            &line("vllm:num_requests_running", "0.0"),
+            &line("vllm:num_requests_running", "4.0"),
+        )
+        .replace(
+            &line("vllm:num_requests_waiting", "0.0"),
+            &line("vllm:num_requests_waiting", "7.0"),
+        )
+        .replace(
+            &line("vllm:kv_cache_usage_perc", "0.0"),
+            &line("vllm:kv_cache_usage_perc", "0.9245283018867925"),
+        )
+        .replace(
+            &line("vllm:prefix_cache_queries_total", "43.0"),
+            &line("vllm:prefix_cache_queries_total", "143.0"),
+        )
+        .replace(
+            &line("vllm:prefix_cache_hits_total", "0.0"),
+            &line("vllm:prefix_cache_hits_total", "25.0"),
+        );
+    ep.set(Some(&busy));
+    let snap = eventually("the busy values", || {
+        handle.snapshot().filter(|s| s.running == 4.0)
+    })
+    .await;
+    assert_eq!(snap.waiting, 7.0);
+    assert!(close(snap.kv_usage.expect("kv"), 0.924_528_301_886_792_5));
+    assert!(close(
+        snap.prefix_cache_hit_ratio.expect("windowed"),
+        25.0 / 100.0
+    ));
+    assert!(close(
+        snap.prefix_cache_hit_ratio_cumulative.expect("cumulative"),
+        25.0 / 143.0
+    ));
+    let (_, parsed) = encoded(std::slice::from_ref(&handle), None);
+    assert_eq!(
+        gauge(
+            &parsed,
+            "llm_engine_requests_waiting",
+            "upstream",
+            "vllm-real"
+        ),
+        Some(7.0)
+    );
 }
 
 #[tokio::test]

@@ -19,6 +19,13 @@
 //!   counts notifications the webhook accepted (2xx), `tokenscope_alert_webhook_errors_total`
 //!   failed POSTs.
 //! * The task ends when the gateway's shared state is dropped (shutdown).
+//! * A fleet (`[fleet]`, several gateways on one ClickHouse): before a firing notification is
+//!   sent, its incident (the alert's labels) is claimed in the store
+//!   (`ClickHouseStore::claim`): the replica with the earliest claim within the hold sends
+//!   it, the others drop it and its resolved notification — one incident, one alert. When the
+//!   claim cannot be made (the store is down), the replica sends: an alert may then come
+//!   twice, never not at all. Claims run on blocking threads, concurrently, never on the
+//!   request path.
 //! * An `https://` webhook is trusted through the system's roots plus `webhook_ca_file`, with
 //!   `webhook_client_cert` / `webhook_client_key` for mutual TLS; a bad file refuses the start.
 
@@ -69,9 +76,25 @@ struct Feed {
     budgets: std::sync::OnceLock<(Vec<String>, BudgetRatio)>,
     /// Reads the gateway's own health (lost records, store up), set once the metrics exist.
     health: std::sync::OnceLock<HealthFn>,
+    /// The fleet's claims, set when `[fleet]` is on with a store that can hold them.
+    claims: std::sync::OnceLock<ClaimFn>,
 }
 
 type HealthFn = Box<dyn Fn() -> tokenscope_analysis::alerts::SelfHealth + Send + Sync>;
+
+/// Claims an alert incident for this replica among a fleet's gateways (see the module docs):
+/// `Ok(true)` send it, `Ok(false)` another replica does, `Err` could not ask (send).
+pub(crate) type ClaimFn = Arc<dyn Fn(&str, i64) -> Result<bool, String> + Send + Sync>;
+
+/// The incident key of a notification: its labels, `name="value"` joined by `,`.
+fn fingerprint(n: &Notification) -> String {
+    n.alert
+        .labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v:?}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
 
 impl Feed {
     fn budget_usage(&self) -> Vec<(String, f64)> {
@@ -112,6 +135,14 @@ impl Alerting {
     ) {
         if let Some(feed) = &self.feed {
             let _ = feed.health.set(Box::new(health));
+        }
+    }
+
+    /// Claims every firing incident among the fleet before it is sent (once; later calls
+    /// are ignored).
+    pub(crate) fn set_claims(&self, claims: ClaimFn) {
+        if let Some(feed) = &self.feed {
+            let _ = feed.claims.set(claims);
         }
     }
 
@@ -206,6 +237,7 @@ pub(crate) fn start(
         dropped: metrics.samples_dropped.clone(),
         budgets: std::sync::OnceLock::new(),
         health: std::sync::OnceLock::new(),
+        claims: std::sync::OnceLock::new(),
     });
     let evaluator = AlertEvaluator::new(
         section.thresholds.clone(),
@@ -250,6 +282,8 @@ async fn run(
             },
         ));
     let mut outbox: VecDeque<Notification> = VecDeque::new();
+    // Incidents another replica of the fleet notifies (their resolved notification is its).
+    let mut quiet: std::collections::HashSet<String> = std::collections::HashSet::new();
     let mut tick = tokio::time::interval(settings.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     evaluator.start_at(now_us());
@@ -261,11 +295,16 @@ async fn run(
         let drained = std::mem::take(&mut *f.buf.lock());
         let budget = f.budget_usage();
         let health = f.health.get().map(|h| h());
+        let claims = f.claims.get().cloned();
         drop(f);
         for s in drained {
             evaluator.push(s);
         }
-        outbox.extend(evaluator.evaluate_with_health(now_us(), &budget, health.as_ref()));
+        let fresh = evaluator.evaluate_with_health(now_us(), &budget, health.as_ref());
+        match claims {
+            Some(c) => outbox.extend(claimed(fresh, &c, &mut quiet).await),
+            None => outbox.extend(fresh),
+        }
         while outbox.len() > OUTBOX_MAX {
             outbox.pop_front();
         }
@@ -296,6 +335,55 @@ async fn run(
             }
         }
     }
+}
+
+/// The notifications of one evaluation this replica sends (see the module docs): firing ones
+/// it won the claim of (or could not claim), resolved ones of incidents it did not lose.
+async fn claimed(
+    fresh: Vec<Notification>,
+    claims: &ClaimFn,
+    quiet: &mut std::collections::HashSet<String>,
+) -> Vec<Notification> {
+    let now = now_us();
+    let mut pending = Vec::with_capacity(fresh.len());
+    for n in fresh {
+        let fp = fingerprint(&n);
+        match n.state {
+            NotificationState::Firing => {
+                let c = claims.clone();
+                let key = fp.clone();
+                let ask = tokio::task::spawn_blocking(move || c(&key, now));
+                pending.push((n, fp, Some(ask)));
+            }
+            NotificationState::Resolved => pending.push((n, fp, None)),
+        }
+    }
+    let mut out = Vec::with_capacity(pending.len());
+    for (n, fp, ask) in pending {
+        match ask {
+            Some(ask) => match ask.await {
+                Ok(Ok(true)) => {
+                    quiet.remove(&fp);
+                    out.push(n);
+                }
+                Ok(Ok(false)) => {
+                    tracing::info!(incident = %fp, "Alert sent by another gateway of the fleet.");
+                    quiet.insert(fp);
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(incident = %fp, "Alert claim failed ({e}); sending it here.");
+                    out.push(n);
+                }
+                Err(_) => out.push(n),
+            },
+            None => {
+                if !quiet.remove(&fp) {
+                    out.push(n);
+                }
+            }
+        }
+    }
+    out
 }
 
 async fn post(

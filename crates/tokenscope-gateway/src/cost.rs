@@ -23,8 +23,9 @@
 //! record's line), and sets `llm_budget_usage_ratio{business_line}` = the largest used/budget
 //! of the line's budgets.
 //! At startup the current periods are seeded from the store by a background thread
-//! (records created before the gateway started; later ones arrive through that fan-out,
-//! so none is counted twice). Automatic (`auto = true`) budgets: the tracker also keeps the
+//! (usage created before the gateway started, summed by the store one UTC day at a time —
+//! the gateway never loads the records; later ones arrive through that fan-out, so none is
+//! counted twice). Automatic (`auto = true`) budgets: the tracker also keeps the
 //! line's usage per UTC day (the seed reads the 30 days before the period too) and the budget
 //! of a period is 1.2 (`auto_factor`) × the mean daily use of the 30 days before it × days in
 //! the period — the method of `tokenscope budget`. The seed reads the embedded store or
@@ -125,10 +126,41 @@ struct PeriodUsage {
 
 const DAY_US: i64 = 86_400_000_000;
 
+/// The fleet's usage of a budget's period as the store summed it (`[fleet]`): every
+/// replica's records created in `[start_us, as_of_us)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FleetUsage {
+    /// The period's start.
+    pub start_us: i64,
+    /// The end of what the store summed (a whole second).
+    pub as_of_us: i64,
+    /// Tokens.
+    pub tokens: u64,
+    /// USD.
+    pub usd: f64,
+}
+
+/// A tracked budget's fleet view (see [`Tracked::fleet`]).
+#[derive(Debug, Default)]
+struct FleetState {
+    /// The store's last sum.
+    snap: Option<FleetUsage>,
+    /// This replica's usage per second of `created_at` (recorded while the fleet view is
+    /// on; kept from the last sum's end, at most [`OWN_KEEP_US`] without a sum).
+    own: std::collections::BTreeMap<i64, (u64, f64)>,
+}
+
+/// How long this replica's own per-second usage is kept before any fleet sum arrives.
+const OWN_KEEP_US: i64 = 3_600_000_000;
+
 #[derive(Debug)]
 struct Tracked {
     cfg: BudgetConfig,
     usage: Mutex<PeriodUsage>,
+    /// With `[fleet]`: the store's last sum of the period, and this gateway's own usage per
+    /// second of `created_at` since it (so the gauge is the fleet's sum plus what this
+    /// replica added after it; pruned at each new sum).
+    fleet: Mutex<FleetState>,
     /// Automatic budgets: tokens and USD of the line per UTC day (day index), the last
     /// `BASELINE_DAYS` + 31 days, for the baseline of the current period.
     daily: Option<Mutex<std::collections::BTreeMap<i64, (u64, f64)>>>,
@@ -161,7 +193,18 @@ impl Tracked {
     }
 
     fn ratio(&self) -> f64 {
-        let u = *self.usage.lock();
+        let mut u = *self.usage.lock();
+        let g = self.fleet.lock();
+        if let Some(f) = &g.snap {
+            if f.start_us == u.start_us {
+                let (t, d) = g
+                    .own
+                    .range(f.as_of_us.div_euclid(1_000_000)..)
+                    .fold((0u64, 0.0), |(t, d), (_, (dt, dd))| (t + dt, d + dd));
+                u.tokens = f.tokens + t;
+                u.usd = f.usd + d;
+            }
+        }
         let (bt, bu) = self.budget(u.start_us);
         let t = bt.map(|b| u.tokens as f64 / b);
         let d = bu.map(|b| u.usd / b);
@@ -173,6 +216,8 @@ impl Tracked {
 pub struct BudgetTracker {
     tracked: Vec<Tracked>,
     metrics: Option<Arc<Metrics>>,
+    /// Whether the fleet view is on (`[fleet]`): own usage is then kept per second.
+    fleet_on: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for BudgetTracker {
@@ -194,6 +239,7 @@ impl BudgetTracker {
             .map(|b| Tracked {
                 cfg: b.clone(),
                 usage: Mutex::new(PeriodUsage::default()),
+                fleet: Mutex::new(FleetState::default()),
                 daily: b
                     .auto
                     .then(|| Mutex::new(std::collections::BTreeMap::new())),
@@ -204,7 +250,18 @@ impl BudgetTracker {
                 m.set_budget_usage_ratio(&t.cfg.business_line, 0.0);
             }
         }
-        Self { tracked, metrics }
+        Self {
+            tracked,
+            metrics,
+            fleet_on: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Turns the fleet view on (before the first record): from now on this replica's usage is
+    /// also kept per second, for [`set_fleet`](Self::set_fleet).
+    pub fn enable_fleet(&self) {
+        self.fleet_on
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether any budget is tracked.
@@ -234,21 +291,32 @@ impl BudgetTracker {
         let Some(line) = rec.business_line.as_deref() else {
             return;
         };
+        self.add_usage(
+            line,
+            rec.created_at,
+            tokenscope_analysis::total_tokens(rec),
+            rec.cost_usd.unwrap_or(0.0),
+        );
+    }
+
+    /// Adds `tokens` and `usd` of `line` used at `created_at` (a record, or a store's sum of a
+    /// day or period placed at its start) and updates the line's gauge.
+    pub fn add_usage(&self, line: &str, created_at: i64, tokens: u64, usd: f64) {
         let mut touched = false;
         for t in self.tracked.iter().filter(|t| t.cfg.business_line == line) {
             if let Some(daily) = &t.daily {
-                let day = rec.created_at.div_euclid(DAY_US);
+                let day = created_at.div_euclid(DAY_US);
                 let mut d = daily.lock();
                 let e = d.entry(day).or_insert((0, 0.0));
-                e.0 += tokenscope_analysis::total_tokens(rec);
-                e.1 += rec.cost_usd.unwrap_or(0.0);
+                e.0 += tokens;
+                e.1 += usd;
                 // Keep what the baseline of the current or next period can need.
                 let keep_from = day - tokenscope_analysis::budget::BASELINE_DAYS - 31;
                 while d.first_key_value().is_some_and(|(k, _)| *k < keep_from) {
                     d.pop_first();
                 }
             }
-            let (start, _) = t.cfg.period.bounds(rec.created_at);
+            let (start, _) = t.cfg.period.bounds(created_at);
             let mut u = t.usage.lock();
             if start > u.start_us {
                 *u = PeriodUsage {
@@ -257,14 +325,101 @@ impl BudgetTracker {
                 };
             }
             if start == u.start_us {
-                u.tokens += tokenscope_analysis::total_tokens(rec);
-                u.usd += rec.cost_usd.unwrap_or(0.0);
+                u.tokens += tokens;
+                u.usd += usd;
                 touched = true;
+                drop(u);
+                if self.fleet_on.load(std::sync::atomic::Ordering::Relaxed) {
+                    let mut g = t.fleet.lock();
+                    let keep_from = match &g.snap {
+                        Some(f) => f.as_of_us,
+                        None => created_at - OWN_KEEP_US,
+                    }
+                    .div_euclid(1_000_000);
+                    if created_at.div_euclid(1_000_000) >= keep_from {
+                        let e = g
+                            .own
+                            .entry(created_at.div_euclid(1_000_000))
+                            .or_insert((0, 0.0));
+                        e.0 += tokens;
+                        e.1 += usd;
+                    }
+                    while g.own.first_key_value().is_some_and(|(k, _)| *k < keep_from) {
+                        g.own.pop_first();
+                    }
+                }
             }
         }
         if touched {
             self.publish(line);
         }
+    }
+
+    /// The explicit (not automatic) budgets' current period starts at `now_us`, each once:
+    /// what the fleet refresh sums in the store.
+    pub fn fleet_periods(&self, now_us: i64) -> Vec<i64> {
+        let mut v: Vec<i64> = self
+            .tracked
+            .iter()
+            .filter(|t| t.daily.is_none())
+            .map(|t| t.cfg.period.bounds(now_us).0)
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// Installs the store's sum of the fleet's usage of `line` for the period starting at
+    /// `f.start_us` (the explicit budgets whose period at `now_us` starts there) and
+    /// republishes the gauge. From
+    /// now on the line's usage is that sum plus this replica's records created at or after
+    /// `f.as_of_us`. A sum for an older period than the tracked one is ignored; one for a
+    /// newer period starts it.
+    pub fn set_fleet(&self, line: &str, f: FleetUsage, now_us: i64) {
+        let mut touched = false;
+        for t in self
+            .tracked
+            .iter()
+            .filter(|t| t.cfg.business_line == line && t.daily.is_none())
+        {
+            // Only the budgets whose current period the sum is of (a daily and a monthly
+            // budget of one line have different periods, though a month starts on a day).
+            if t.cfg.period.bounds(now_us).0 != f.start_us {
+                continue;
+            }
+            {
+                let mut u = t.usage.lock();
+                if f.start_us > u.start_us {
+                    *u = PeriodUsage {
+                        start_us: f.start_us,
+                        ..PeriodUsage::default()
+                    };
+                }
+                if f.start_us < u.start_us {
+                    continue;
+                }
+            }
+            let mut g = t.fleet.lock();
+            let keep_from = f.as_of_us.div_euclid(1_000_000);
+            g.own.retain(|sec, _| *sec >= keep_from);
+            g.snap = Some(f);
+            touched = true;
+        }
+        if touched {
+            self.publish(line);
+        }
+    }
+
+    /// The business lines with a tracked budget.
+    pub fn lines(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .tracked
+            .iter()
+            .map(|t| t.cfg.business_line.clone())
+            .collect();
+        v.sort();
+        v.dedup();
+        v
     }
 
     /// The gauge value of `line` (largest ratio of its budgets).
@@ -283,11 +438,65 @@ impl BudgetTracker {
     }
 }
 
-/// Seeds `tracker` from the store (embedded or ClickHouse) in a background thread: the
-/// records of the current periods (and the baseline days of automatic budgets) created before
-/// `now_us` (the gateway's start). A record without `cost_usd` (written before the cost
-/// column) is priced with the API prices of `prices`. A store that cannot be read leaves the
-/// usage counted from the start on (logged).
+/// Tokens and USD per business line of the records created in `[since, until)`, summed by
+/// the store (`RecordReader::usage`); rows without a stored cost are priced at the API prices
+/// of `prices` (the seed's rule). Used by the start-up seed and the fleet refresh.
+pub(crate) fn line_usage(
+    reader: &dyn tokenscope_store::RecordReader,
+    since: i64,
+    until: i64,
+    prices: &PriceTable,
+) -> Result<HashMap<String, (u64, f64)>, String> {
+    let rows = reader
+        .usage(&tokenscope_core::usage::UsageQuery {
+            window: tokenscope_core::query::Window::new(since, until),
+            group_by: vec![tokenscope_core::query::Dimension::BusinessLine],
+        })
+        .map_err(|e| e.to_string())?;
+    let mut per_line: HashMap<String, (u64, f64)> = HashMap::new();
+    for row in &rows {
+        let Some(line) = row.labels.first().cloned().flatten() else {
+            continue;
+        };
+        let s = &row.sums;
+        let e = per_line.entry(line).or_insert((0, 0.0));
+        e.0 += s.input_tokens.saturating_add(s.output_tokens);
+        e.1 += s.stored_cost_usd() + prices.token_cost_of_sums(&row.model, s).unwrap_or(0.0);
+    }
+    Ok(per_line)
+}
+
+/// Sums `[since, until)` day by day in the store and adds each day's usage per line to the
+/// tracker (at the day's start, or `since` for a partial first day). Returns the days read.
+fn seed_days(
+    tracker: &BudgetTracker,
+    target: &crate::StoreTarget,
+    prices: &PriceTable,
+    since: i64,
+    until: i64,
+) -> Result<usize, String> {
+    let reader = tokenscope_backend::open_reader(target).map_err(|e| e.detail())?;
+    let mut days = 0;
+    let mut lo = since;
+    while lo < until {
+        let hi = ((lo.div_euclid(DAY_US) + 1) * DAY_US).min(until);
+        let per_line = line_usage(reader.as_ref(), lo, hi, prices)?;
+        for (line, (tokens, usd)) in per_line {
+            tracker.add_usage(&line, lo, tokens, usd);
+        }
+        days += 1;
+        lo = hi;
+    }
+    Ok(days)
+}
+
+/// Seeds `tracker` from the store (embedded or ClickHouse) in a background thread: the usage
+/// of the current periods (and the baseline days of automatic budgets) created before
+/// `now_us` (the gateway's start), one UTC day at a time, summed by the store
+/// (`RecordReader::usage`: per business line and model; the gateway holds one row per group,
+/// never the records). Records without `cost_usd` (written before the cost column) are priced
+/// with the API prices of `prices`. A store that cannot be read leaves the usage counted from
+/// the start on (logged).
 pub fn seed_from_store(
     tracker: Arc<BudgetTracker>,
     target: crate::StoreTarget,
@@ -300,24 +509,8 @@ pub fn seed_from_store(
     let spawned = std::thread::Builder::new()
         .name("tokenscope-budget-seed".into())
         .spawn(move || {
-            let records: Result<Vec<RequestRecord>, String> =
-                tokenscope_backend::open_reader(&target)
-                    .map_err(|e| e.detail())
-                    .and_then(|reader| {
-                        reader
-                            .records_between(tokenscope_core::query::Window::new(since, until))
-                            .map_err(|e| e.to_string())
-                    });
-            match records {
-                Ok(records) => {
-                    for mut r in records {
-                        if r.cost_usd.is_none() {
-                            r.cost_usd = prices.token_cost(&r);
-                        }
-                        tracker.add(&r);
-                    }
-                    tracing::info!(store = %target.display(), "budget usage seeded from the store");
-                }
+            match seed_days(&tracker, &target, &prices, since, until) {
+                Ok(days) => tracing::info!(store = %target.display(), days, "budget usage seeded from the store"),
                 Err(e) => tracing::warn!(
                     store = %target.display(),
                     error = %e,
@@ -587,6 +780,68 @@ mod tests {
             .cost(&rec("gpu", 10, 10), start + Duration::from_secs(1))
             .expect("self-hosted");
         assert!((c4 - 0.1).abs() < 1e-9, "{c4}");
+    }
+
+    #[test]
+    fn fleet_usage_is_the_stores_sum_plus_own_records_since() {
+        let day = 86_400_000_000i64;
+        let t0 = 19_000 * day;
+        let b = BudgetTracker::new(
+            &[BudgetConfig {
+                business_line: "s".into(),
+                tokens: Some(1_000),
+                ..BudgetConfig::default()
+            }],
+            None,
+        );
+        b.enable_fleet();
+        assert_eq!(b.fleet_periods(t0 + 5), vec![t0]);
+        let own = |at: i64, tokens: u64| {
+            let mut r = rec("m", tokens, 0);
+            r.business_line = Some("s".into());
+            r.created_at = at;
+            b.add(&r);
+        };
+        own(t0 + 1_000_000, 100); // second 1
+        own(t0 + 3_500_000, 50); // second 3, after the store's sum below
+        assert!((b.ratio("s") - 0.15).abs() < 1e-12, "own only before a sum");
+        // The fleet's sum up to second 3 (it includes this replica's 100): 600 tokens.
+        let f = |as_of_s: i64, tokens: u64| FleetUsage {
+            start_us: t0,
+            as_of_us: t0 + as_of_s * 1_000_000,
+            tokens,
+            usd: 0.0,
+        };
+        b.set_fleet("s", f(3, 600), t0 + 4_000_000);
+        assert!((b.ratio("s") - 0.65).abs() < 1e-12, "600 + own 50 since");
+        own(t0 + 4_200_000, 25);
+        assert!((b.ratio("s") - 0.675).abs() < 1e-12);
+        // The next sum includes them; own records before it are not counted twice.
+        b.set_fleet("s", f(5, 900), t0 + 6_000_000);
+        assert!((b.ratio("s") - 0.9).abs() < 1e-12);
+        // A sum for another line or an old period changes nothing.
+        b.set_fleet("other", f(6, 5), t0 + 6_000_000);
+        b.set_fleet(
+            "s",
+            FleetUsage {
+                start_us: t0 - day,
+                ..f(6, 5)
+            },
+            t0 + 6_000_000,
+        );
+        assert!((b.ratio("s") - 0.9).abs() < 1e-12);
+        // A new day: the daily budget starts again from the new period's sum.
+        b.set_fleet(
+            "s",
+            FleetUsage {
+                start_us: t0 + day,
+                as_of_us: t0 + day + 1_000_000,
+                tokens: 10,
+                usd: 0.0,
+            },
+            t0 + day + 2_000_000,
+        );
+        assert!((b.ratio("s") - 0.01).abs() < 1e-12);
     }
 
     #[test]

@@ -45,6 +45,7 @@ pub mod engine;
 mod facts;
 mod failure;
 mod finished;
+mod fleet;
 mod forward;
 pub mod models;
 mod plan;

@@ -581,6 +581,9 @@ pub(crate) async fn bind(cfg: GatewayConfig) -> Result<Gateway, GatewayError> {
         tokenizers,
         fanout,
     });
+    if let Some(h) = bg.handle() {
+        crate::fleet::start(&shared, h);
+    }
     Ok(Gateway {
         shared,
         proxy,

@@ -35,7 +35,10 @@ pub(crate) fn string(key: &str, v: &str) -> KeyValue {
     kv(key, Value::StringValue(v.to_owned()))
 }
 
-/// The attributes vLLM's `do_tracing` sets, with exact binary-fraction values.
+/// The attributes vLLM's `do_tracing` sets, with exact binary-fraction values. Names and types
+/// checked against a real vLLM 0.32.0 export
+/// (`tokenscope-cli/tests/fixtures/vllm/span-4bf92f3577b34da6a3ce929d0e0e4736.pb`, decoded in
+/// `decode::tests::real_vllm_0_32_protobuf_export_decodes`).
 pub(crate) fn vllm_attributes() -> Vec<KeyValue> {
     vec![
         double("gen_ai.latency.time_to_first_token", 0.3125),

@@ -56,8 +56,12 @@ pub use pipeline::{
 };
 pub use read::RecordReader;
 pub use report::{
-    render, run_report, run_report_on, run_report_threads, ColKind, Dimension, FilterValue, Format,
-    Quantiles, ReportQuery, ReportRow, ScanValue, Scanner, NONE_LABEL,
+    exact_sum_units, finish_groups, mean_of_units, render, run_report, run_report_on,
+    run_report_threads, ColKind, Dimension, FilterValue, Format, GroupAgg, Quantiles, ReportQuery,
+    ReportRow, ScanValue, Scanner, NONE_LABEL,
 };
 pub use spool::{Append, Spool, SpoolConfig, SpoolEntry, SpoolError};
 pub use sqlite::{FileChange, SqliteStore};
+pub use tokenscope_core::usage::{
+    self, UsageAcc, UsageQuery, UsageRow, UsageSums, USAGE_DIMENSIONS,
+};

@@ -11,6 +11,7 @@
 //!   `[since_us, until_us)`, each request once (its newest version), ordered by `created_at`
 //!   then `request_id` — so the same records give the same rows, in the same order, on every
 //!   store.
+//! * [`RecordReader::usage`] gives [`crate::usage`]'s rows, bit for bit, on every store.
 //! * [`RecordReader::report`] gives the result of [`crate::report::run_report`]'s semantics,
 //!   bit for bit, on every store (same [`Scanner`](crate::Scanner)).
 //! * The trait is object-safe and its implementations are `Send` (a reader may be opened on
@@ -21,6 +22,7 @@ use tokenscope_core::RequestRecord;
 
 use crate::report::{run_report, ReportQuery, ReportRow};
 use crate::{SqliteStore, StoreError};
+use tokenscope_core::usage::{UsageQuery, UsageRow};
 
 /// Reads records and runs report queries against one store (see the module docs).
 pub trait RecordReader: Send {
@@ -29,6 +31,10 @@ pub trait RecordReader: Send {
 
     /// Runs a grouped report (see [`crate::report`] for the semantics).
     fn report(&self, q: &ReportQuery) -> Result<Vec<ReportRow>, StoreError>;
+
+    /// Token and cost sums per (group, model) of a window (see [`crate::usage`]), computed
+    /// by the store: the caller holds one row per group.
+    fn usage(&self, q: &UsageQuery) -> Result<Vec<UsageRow>, StoreError>;
 
     /// A short name of the store kind (`sqlite`, `clickhouse`), for logs.
     fn kind(&self) -> &'static str;
@@ -41,6 +47,10 @@ impl RecordReader for SqliteStore {
 
     fn report(&self, q: &ReportQuery) -> Result<Vec<ReportRow>, StoreError> {
         run_report(self, q)
+    }
+
+    fn usage(&self, q: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
+        SqliteStore::usage(self, q)
     }
 
     fn kind(&self) -> &'static str {

@@ -215,8 +215,14 @@ impl ExactSum {
     #[inline]
     fn add(&mut self, x: f64) {
         if x.is_finite() {
-            self.0 = self.0.saturating_add((x * Self::SCALE).round() as i128);
+            self.0 = self.0.saturating_add(Self::units(x) as i128);
         }
+    }
+
+    /// [`exact_sum_units`]: `⌊x·2³² + ½⌋`.
+    #[inline]
+    fn units(x: f64) -> f64 {
+        exact_sum_units(x)
     }
 
     fn merge(&mut self, other: ExactSum) {
@@ -859,6 +865,12 @@ impl Scanner {
     }
 }
 
+/// The query's interval in µs (saturating), as the report's time buckets use it; 0 without
+/// an interval.
+pub fn interval_micros(q: &ReportQuery) -> i64 {
+    interval_us(q).unwrap_or(0)
+}
+
 fn interval_us(q: &ReportQuery) -> Option<i64> {
     q.interval
         .map(|iv| i64::try_from(iv.as_micros()).unwrap_or(i64::MAX))
@@ -879,11 +891,9 @@ impl Acc {
     }
 }
 
-/// Merges partial scans by group label, orders the groups, computes quantiles and rates.
+/// Merges partial scans by group label, computes each group's quantiles, then
+/// [`finish_groups`].
 fn finish(q: &ReportQuery, parts: Vec<Partial>, now_us: i64) -> Vec<ReportRow> {
-    let until_eff = q.until_us.unwrap_or(now_us);
-    let interval_us = interval_us(q);
-
     // (bucket, labels) → accumulator; labels are `None` for NULL.
     type GroupKey = (i64, Vec<Option<String>>);
     let mut merged: HashMap<GroupKey, Acc> = HashMap::new();
@@ -903,28 +913,113 @@ fn finish(q: &ReportQuery, parts: Vec<Partial>, now_us: i64) -> Vec<ReportRow> {
             }
         }
     }
-
-    // Order: bucket, then each dimension's natural order.
-    type Keyed = (i64, Vec<SortPart>, Vec<Option<String>>, Acc);
-    let mut keyed: Vec<Keyed> = merged
+    let mut buf: Vec<f64> = Vec::new();
+    let groups = merged
         .into_iter()
-        .map(|((bucket, labels), a)| {
+        .map(|((bucket, labels), a)| GroupAgg {
+            bucket_start_us: bucket,
+            labels,
+            count: a.count,
+            ok: a.ok,
+            counted: a.counted,
+            ttft: quantiles_of(&a.values, M_TTFT, &mut buf),
+            tpot: quantiles_of(&a.values, M_TPOT, &mut buf),
+            e2e: quantiles_of(&a.values, M_E2E, &mut buf),
+            queue: quantiles_of(&a.values, M_QUEUE, &mut buf),
+            prefill: quantiles_of(&a.values, M_PREFILL, &mut buf),
+            decode: quantiles_of(&a.values, M_DECODE, &mut buf),
+            share_n: a.share_n,
+            share_queue_units: a.share_queue_ms.0,
+            share_ttft_units: a.share_ttft_ms.0,
+            input_tokens: a.input_tokens,
+            output_tokens: a.output_tokens,
+            cached_tokens: a.cached_tokens,
+        })
+        .collect();
+    finish_groups(q, groups, now_us)
+}
+
+/// One group of a report, already aggregated — what a store that aggregates in its own
+/// engine (ClickHouse) hands back, one per group and time bucket, so that the caller holds
+/// per-group state only. [`finish_groups`] turns them into [`ReportRow`]s exactly as the
+/// embedded store's scan does.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupAgg {
+    /// Start of the time bucket (epoch µs, aligned to the epoch); 0 without an interval.
+    pub bucket_start_us: i64,
+    /// The group's label per `group_by` dimension, in query order (`None` for NULL): the
+    /// column's text, `true`/`false` for `stream`, a [`KV_BANDS`] label for the bands.
+    pub labels: Vec<Option<String>>,
+    /// Requests.
+    pub count: u64,
+    /// Requests with outcome `ok`.
+    pub ok: u64,
+    /// Requests in the success rate's denominator.
+    pub counted: u64,
+    /// Quantiles of each metric (see [`Quantiles`]: nearest-rank, mean from the exact sum).
+    pub ttft: Quantiles,
+    /// TPOT.
+    pub tpot: Quantiles,
+    /// End-to-end.
+    pub e2e: Quantiles,
+    /// Engine queue.
+    pub queue: Quantiles,
+    /// Engine prefill.
+    pub prefill: Quantiles,
+    /// Engine decode.
+    pub decode: Quantiles,
+    /// Rows having both a queue time and a TTFT.
+    pub share_n: u64,
+    /// Σ over those rows of [`exact_sum_units`] of the queue time.
+    pub share_queue_units: i128,
+    /// Σ over those rows of [`exact_sum_units`] of the TTFT.
+    pub share_ttft_units: i128,
+    /// Σ input tokens.
+    pub input_tokens: u64,
+    /// Σ output tokens.
+    pub output_tokens: u64,
+    /// Σ cached tokens.
+    pub cached_tokens: u64,
+}
+
+pub use tokenscope_core::query::exact_sum_units;
+
+/// The mean of `n` values whose [`exact_sum_units`] add up to `units` — the report's mean,
+/// bit for bit.
+pub fn mean_of_units(units: i128, n: u64) -> Option<f64> {
+    (n > 0).then(|| ExactSum(units).value() / n as f64)
+}
+
+/// Orders aggregated groups and computes rates (success rate, QPS over the row's window,
+/// queue share): the last step of every store's report. Groups must be distinct by
+/// (bucket, labels).
+pub fn finish_groups(q: &ReportQuery, groups: Vec<GroupAgg>, now_us: i64) -> Vec<ReportRow> {
+    let until_eff = q.until_us.unwrap_or(now_us);
+    let interval_us = interval_us(q);
+    // Order: bucket, then each dimension's natural order.
+    let mut keyed: Vec<(Vec<SortPart>, GroupAgg)> = groups
+        .into_iter()
+        .map(|g| {
             let sk = q
                 .group_by
                 .iter()
-                .zip(&labels)
+                .zip(&g.labels)
                 .map(|(d, l)| sort_part(*d, l.as_deref()))
                 .collect();
-            (bucket, sk, labels, a)
+            (sk, g)
         })
         .collect();
-    keyed.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+    keyed.sort_by(|a, b| {
+        a.1.bucket_start_us
+            .cmp(&b.1.bucket_start_us)
+            .then_with(|| a.0.cmp(&b.0))
+    });
 
     let range_secs = (until_eff.saturating_sub(q.since_us)) as f64 / 1e6;
-    let mut buf: Vec<f64> = Vec::new();
     keyed
         .into_iter()
-        .map(|(bucket, _, labels, a)| {
+        .map(|(_, a)| {
+            let bucket = a.bucket_start_us;
             let window_s = match interval_us {
                 Some(iv) => {
                     let start = bucket.max(q.since_us);
@@ -938,7 +1033,7 @@ fn finish(q: &ReportQuery, parts: Vec<Partial>, now_us: i64) -> Vec<ReportRow> {
                 group: q
                     .group_by
                     .iter()
-                    .zip(labels)
+                    .zip(a.labels)
                     .map(|(d, l)| (*d, l.unwrap_or_else(|| NONE_LABEL.to_owned())))
                     .collect(),
                 count: a.count,
@@ -955,16 +1050,16 @@ fn finish(q: &ReportQuery, parts: Vec<Partial>, now_us: i64) -> Vec<ReportRow> {
                 } else {
                     0.0
                 },
-                ttft: quantiles_of(&a.values, M_TTFT, &mut buf),
-                tpot: quantiles_of(&a.values, M_TPOT, &mut buf),
-                e2e: quantiles_of(&a.values, M_E2E, &mut buf),
-                queue: quantiles_of(&a.values, M_QUEUE, &mut buf),
-                prefill: quantiles_of(&a.values, M_PREFILL, &mut buf),
-                decode: quantiles_of(&a.values, M_DECODE, &mut buf),
+                ttft: a.ttft,
+                tpot: a.tpot,
+                e2e: a.e2e,
+                queue: a.queue,
+                prefill: a.prefill,
+                decode: a.decode,
                 queue_share_of_ttft: queue_share(
                     a.share_n,
-                    a.share_queue_ms.value(),
-                    a.share_ttft_ms.value(),
+                    ExactSum(a.share_queue_units).value(),
+                    ExactSum(a.share_ttft_units).value(),
                 ),
                 input_tokens: a.input_tokens,
                 output_tokens: a.output_tokens,

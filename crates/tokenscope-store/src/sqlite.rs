@@ -116,6 +116,7 @@ use crate::late::{LateRows, LateUpdates};
 use crate::pending::UnmatchedCounts;
 use crate::trace_rows::TraceRows;
 use crate::StoreError;
+use tokenscope_core::usage::{UsageAcc, UsageQuery, UsageRow};
 
 /// Name of the per-request table.
 pub const TABLE: &str = "llm_inference_log";
@@ -741,6 +742,69 @@ impl SqliteStore {
         let mut stmt = self.conn.prepare_cached(&sql)?;
         let rows = stmt.query_map([since_us, until_us], record_from_row)?;
         Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    }
+
+    /// Token and cost sums per (group, model) of a window (see [`crate::usage`]): one pass
+    /// over the window's index range reading only the needed columns, per-group state only.
+    /// The scan runs without the read-only connection's memory map and with a small page
+    /// cache (restored afterwards), so the process's resident size does not grow with the
+    /// file: a month of rows costs what a day does.
+    pub fn usage(&self, q: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
+        // (An in-memory database has no `mmap_size`: nothing to change or restore.)
+        let get = |p: &str| -> Option<i64> {
+            self.conn
+                .query_row(&format!("PRAGMA {p}"), [], |r| r.get(0))
+                .ok()
+        };
+        let (mmap, cache) = (get("mmap_size"), get("cache_size"));
+        if mmap.is_some() {
+            self.conn.pragma_update(None, "mmap_size", 0)?;
+        }
+        if cache.is_some() {
+            self.conn.pragma_update(None, "cache_size", -4096)?;
+        }
+        let out = self.usage_scan(q);
+        if let Some(m) = mmap {
+            self.conn.pragma_update(None, "mmap_size", m)?;
+        }
+        if let Some(c) = cache {
+            self.conn.pragma_update(None, "cache_size", c)?;
+        }
+        out
+    }
+
+    fn usage_scan(&self, q: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
+        let mut acc = UsageAcc::new(q).map_err(|e| StoreError::InvalidQuery(e.0))?;
+        let mut sql =
+            String::from("SELECT model, input_tokens, cached_tokens, output_tokens, cost_usd");
+        for d in &q.group_by {
+            sql.push_str(", ");
+            sql.push_str(d.column());
+        }
+        sql.push_str(&format!(
+            " FROM {TABLE} WHERE created_at >= ?1 AND created_at < ?2"
+        ));
+        let mut stmt = self.conn.prepare_cached(&sql)?;
+        let mut rows = stmt.query([q.window.since_us, q.window.until_us])?;
+        let n = q.group_by.len();
+        let mut labels: Vec<Option<String>> = vec![None; n];
+        let tokens = |v: Option<i64>| v.map(|t| u64::try_from(t).unwrap_or(0));
+        while let Some(row) = rows.next()? {
+            for (i, slot) in labels.iter_mut().enumerate() {
+                *slot = row.get::<_, Option<String>>(5 + i)?;
+            }
+            let refs: Vec<Option<&str>> = labels.iter().map(|l| l.as_deref()).collect();
+            let model: String = row.get(0)?;
+            acc.add_values(
+                &refs,
+                &model,
+                tokens(row.get(1)?),
+                tokens(row.get(2)?),
+                tokens(row.get(3)?),
+                row.get(4)?,
+            );
+        }
+        Ok(acc.finish())
     }
 
     /// Number of stored rows.

@@ -185,10 +185,17 @@ impl LatencyWindow {
     }
 }
 
+/// A P99 key: (bounded model label, input bucket).
+type Key = (String, &'static str);
+
 /// The tail sampler. Shared by every request (`&self`).
 pub struct TailSampler {
     cfg: SamplerConfig,
     windows: Mutex<HashMap<(String, &'static str), LatencyWindow>>,
+    /// The fleet's P99 per key (`[fleet]`: computed by the store over every replica's recent
+    /// successful requests), with its sample count; used instead of this replica's own window
+    /// when it has at least `p99_min_samples` values.
+    fleet: Mutex<HashMap<Key, (u64, f64)>>,
 }
 
 impl std::fmt::Debug for TailSampler {
@@ -205,6 +212,7 @@ impl TailSampler {
         Self {
             cfg,
             windows: Mutex::new(HashMap::new()),
+            fleet: Mutex::new(HashMap::new()),
         }
     }
 
@@ -253,10 +261,43 @@ impl TailSampler {
         } else {
             (model_label.to_owned(), bucket)
         };
+        let fleet = self
+            .fleet
+            .lock()
+            .get(&(model_label.to_owned(), bucket))
+            .copied()
+            .filter(|(n, _)| *n >= u64::from(self.cfg.p99_min_samples));
         let w = windows.entry(key).or_insert_with(LatencyWindow::new);
-        let above = w.samples() >= self.cfg.p99_min_samples && ms > w.p99_ms();
+        let above = match fleet {
+            Some((_, p99)) => ms > p99,
+            None => w.samples() >= self.cfg.p99_min_samples && ms > w.p99_ms(),
+        };
         w.add(ms, self.cfg.p99_window.max(1));
         above
+    }
+
+    /// Replaces the fleet's P99 per key: `(model label, input bucket, samples, P99 ms)` (the
+    /// bucket as `InputBucket::as_str`, or `unknown`). Keys beyond [`MAX_KEYS`] are dropped.
+    pub fn set_fleet_p99(
+        &self,
+        entries: impl IntoIterator<Item = (String, &'static str, u64, f64)>,
+    ) {
+        let map: HashMap<Key, (u64, f64)> = entries
+            .into_iter()
+            .filter(|(_, _, _, p)| p.is_finite())
+            .take(MAX_KEYS)
+            .map(|(m, b, n, p)| ((m, b), (n, p)))
+            .collect();
+        *self.fleet.lock() = map;
+    }
+
+    /// The fleet's P99 of a key, if known with enough samples.
+    pub fn fleet_p99(&self, model_label: &str, bucket: &'static str) -> Option<f64> {
+        self.fleet
+            .lock()
+            .get(&(model_label.to_owned(), bucket))
+            .filter(|(n, _)| *n >= u64::from(self.cfg.p99_min_samples))
+            .map(|(_, p)| *p)
     }
 
     /// The current P99 estimate (ms) of a key, if it has enough samples.
@@ -359,6 +400,44 @@ mod tests {
         // Another model has its own window (not enough samples yet).
         assert_eq!(
             s.decide(&rec(Outcome::Ok, 100.0), "other-model", &tid(1)),
+            Decision::Drop
+        );
+    }
+
+    #[test]
+    fn the_fleet_p99_decides_where_this_replica_has_few_samples() {
+        let s = TailSampler::new(SamplerConfig {
+            ratio: 0.0,
+            ..SamplerConfig::default()
+        });
+        // This replica saw nothing of the key; the fleet saw 5 000 requests, P99 40 ms.
+        assert_eq!(
+            s.decide(&rec(Outcome::Ok, 100.0), "m", &tid(1)),
+            Decision::Drop
+        );
+        s.set_fleet_p99([("m".to_owned(), "0-128", 5_000, 40.0)]);
+        assert_eq!(s.fleet_p99("m", "0-128"), Some(40.0));
+        assert_eq!(
+            s.decide(&rec(Outcome::Ok, 100.0), "m", &tid(1)),
+            Decision::Keep(KeepReason::SlowP99)
+        );
+        assert_eq!(
+            s.decide(&rec(Outcome::Ok, 30.0), "m", &tid(1)),
+            Decision::Drop
+        );
+        // The fleet's value wins over a local window that says otherwise.
+        for _ in 0..300 {
+            s.decide(&rec(Outcome::Ok, 500.0), "m", &tid(1));
+        }
+        assert_eq!(
+            s.decide(&rec(Outcome::Ok, 100.0), "m", &tid(1)),
+            Decision::Keep(KeepReason::SlowP99)
+        );
+        // Too few fleet samples: the local window decides again.
+        s.set_fleet_p99([("m".to_owned(), "0-128", 3, 40.0)]);
+        assert_eq!(s.fleet_p99("m", "0-128"), None);
+        assert_eq!(
+            s.decide(&rec(Outcome::Ok, 100.0), "m", &tid(1)),
             Decision::Drop
         );
     }

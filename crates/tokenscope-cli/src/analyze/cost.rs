@@ -6,7 +6,7 @@ use super::{CommonArgs, Input};
 use crate::args::CostDimension;
 use anyhow::Result;
 use clap::Args;
-use tokenscope_analysis::cost::{analyze, Dimension};
+use tokenscope_analysis::cost::{analyze_usage, usage_query, Dimension};
 use tokenscope_analysis::Report;
 
 /// `tokenscope cost` options.
@@ -33,11 +33,15 @@ pub fn run(args: CostArgs) -> Result<()> {
             by.push(d);
         }
     }
-    let input = Input::load(&args.common)?;
+    // The store sums per (group, model): no record is loaded here, so memory does not grow
+    // with the window's row count.
+    let input = Input::open(&args.common)?;
     let previous_window = input.window.previous();
-    let previous = input.load_window(previous_window)?;
-    let report = analyze(
-        &input.records,
+    let reader = super::reader(&input.store)?;
+    let rows = reader.usage(&usage_query(&by, input.window))?;
+    let previous = reader.usage(&usage_query(&by, previous_window))?;
+    let report = analyze_usage(
+        &rows,
         input.window,
         &previous,
         previous_window,

@@ -58,8 +58,16 @@ pub struct Input {
 }
 
 impl Input {
-    /// Loads the window of `args` (and the config).
+    /// Loads the window of `args` (and the config) and its records.
     pub fn load(args: &CommonArgs) -> Result<Self> {
+        let mut input = Self::open(args)?;
+        input.records = load_records(&args.store, input.window)?;
+        Ok(input)
+    }
+
+    /// The window of `args` and the config, without loading any record (for the commands
+    /// the store answers itself, e.g. `cost`).
+    pub fn open(args: &CommonArgs) -> Result<Self> {
         let now = crate::now_us();
         let since_us = crate::time_arg(&args.since, now).context("--since")?;
         let until_us = match &args.until {
@@ -72,11 +80,10 @@ impl Input {
         let window = Window { since_us, until_us };
         let config = GatewayConfig::load(args.config.as_deref())?;
         let format: Format = args.format;
-        let records = load_records(&args.store, window)?;
         Ok(Self {
             window,
             now_us: until_us,
-            records,
+            records: Vec::new(),
             config,
             format,
             store: args.store.clone(),
@@ -92,6 +99,11 @@ impl Input {
     pub fn load_window(&self, window: Window) -> Result<Vec<RequestRecord>> {
         load_records(&self.store, window)
     }
+}
+
+/// The store named by `store` (a SQLite path or a `clickhouse://` URL), for reading.
+pub fn reader(store: &str) -> Result<Box<dyn tokenscope_store::RecordReader>> {
+    Ok(open_reader(&StoreTarget::parse(store))?)
 }
 
 /// Every record of `window` from the store named by `store` (a SQLite path or a

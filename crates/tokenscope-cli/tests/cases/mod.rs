@@ -2,7 +2,8 @@
 //! diagnose` run over what the gateway stored. Shared by the llama.cpp and vLLM test binaries.
 //!
 //! * **Case 1, long prompts among short ones** ([`head_of_line`]): short streamed prompts
-//!   arrive every `gap`; every `long_every`-th arrival is a long prompt instead. With a small
+//!   alone, and short ones arriving while a long prompt prefills (closed-loop rounds sized by
+//!   the long prefill's measured time, so a slow machine never turns it into an overload). With a small
 //!   prefill batch (llama.cpp `-b 256`, vLLM `--max-num-batched-tokens 256`) a long prompt
 //!   needs several engine steps to prefill, and short requests that arrive meanwhile wait for
 //!   them: their TTFT is several times that of short requests that arrive alone.
@@ -61,6 +62,15 @@ pub fn has(v: &Value, s: &str) -> bool {
 }
 
 /// A case-1 load: what to send.
+///
+/// The load is closed-loop, so that it shows the blocking and never an overload whatever the
+/// engine's speed (the CI's two shared cores run the engine several times slower than an idle
+/// machine): two long prompts alone first measure how long a long prefill takes here (the
+/// faster of the two: the first pays the engine's warm-up); then each of `rounds` rounds sends
+/// `alone` short requests with nothing long in flight and waits for them, then one long prompt
+/// and, while it prefills, `beside` short ones spread over the first 60 % of the measured long
+/// TTFT (the long request only gets slower beside them, so each of them arrives before its
+/// first token), and waits for all of them.
 pub struct HeadOfLine<'a> {
     /// The served model name.
     pub model: &'a str,
@@ -68,53 +78,106 @@ pub struct HeadOfLine<'a> {
     pub long_words: usize,
     /// Words of a short prompt.
     pub short_words: usize,
-    /// Requests in all.
-    pub requests: usize,
-    /// Every `long_every`-th request is long (the rest short).
-    pub long_every: usize,
-    /// Between two arrivals.
+    /// Rounds after the two measuring long prompts.
+    pub rounds: usize,
+    /// Short requests alone per round.
+    pub alone: usize,
+    /// Short requests beside the long prefill per round.
+    pub beside: usize,
+    /// Between two arrivals of short requests alone.
     pub gap: Duration,
     /// Output tokens of each request.
     pub max_tokens: u64,
 }
 
 impl HeadOfLine<'_> {
-    /// Whether request `i` is a long one.
-    pub fn is_long(&self, i: usize) -> bool {
-        i % self.long_every == self.long_every / 2
+    /// Requests the load sends in all.
+    pub fn requests(&self) -> usize {
+        2 + self.rounds * (self.alone + 1 + self.beside)
     }
 }
 
-/// Sends the case-1 load to `url` (a `/v1/completions` URL, streamed with usage), one arrival
-/// every `gap`, and returns every stream in arrival order. Every request must succeed.
-pub async fn head_of_line(url: &str, load: &HeadOfLine<'_>) -> Vec<ClientStream> {
-    let mut tasks = Vec::new();
-    for i in 0..load.requests {
-        let words = if load.is_long(i) {
-            load.long_words
-        } else {
-            load.short_words
-        };
-        let body = json!({
+/// One request of a case-1 load, in arrival order.
+pub struct Sent {
+    /// Whether it was a long prompt.
+    pub long: bool,
+    /// What the client saw.
+    pub stream: ClientStream,
+}
+
+/// Sends the case-1 load (see [`HeadOfLine`]) to `url` (a `/v1/completions` URL, streamed with
+/// usage) and returns every request in arrival order. Every request must succeed.
+pub async fn head_of_line(url: &str, load: &HeadOfLine<'_>) -> Vec<Sent> {
+    let mut n = 0usize;
+    let mut body = |long: bool| {
+        n += 1;
+        json!({
             "model": load.model,
-            "prompt": prose(words, &format!("case one {i}")),
+            "prompt": prose(
+                if long { load.long_words } else { load.short_words },
+                &format!("case one {n}"),
+            ),
             "max_tokens": load.max_tokens,
             "temperature": 0,
             "stream": true,
             "stream_options": {"include_usage": true},
-        });
-        let url = url.to_owned();
-        let at = load.gap * i as u32;
-        tasks.push(tokio::spawn(async move {
-            tokio::time::sleep(at).await;
-            stream(&url, &body, &[], None).await
-        }));
+        })
+    };
+    fn ok(s: ClientStream) -> ClientStream {
+        assert_eq!(s.status, 200, "{}", String::from_utf8_lossy(&s.raw));
+        s
     }
     let mut out = Vec::new();
-    for t in tasks {
-        let s = t.await.expect("task");
-        assert_eq!(s.status, 200, "{}", String::from_utf8_lossy(&s.raw));
-        out.push(s);
+    let mut long_ttft = f64::INFINITY;
+    for _ in 0..2 {
+        let s = ok(stream(url, &body(true), &[], None).await);
+        long_ttft = long_ttft.min(s.ttft_ms().expect("long TTFT"));
+        out.push(Sent {
+            long: true,
+            stream: s,
+        });
+    }
+    let spread = Duration::from_secs_f64(long_ttft * 0.6 / 1000.0);
+    let step = spread / load.beside.max(1) as u32;
+    for _ in 0..load.rounds {
+        let mut tasks = Vec::new();
+        for k in 0..load.alone {
+            let (url, b, at) = (url.to_owned(), body(false), load.gap * k as u32);
+            tasks.push((
+                false,
+                tokio::spawn(async move {
+                    tokio::time::sleep(at).await;
+                    stream(&url, &b, &[], None).await
+                }),
+            ));
+        }
+        for (long, t) in tasks.drain(..) {
+            out.push(Sent {
+                long,
+                stream: ok(t.await.expect("task")),
+            });
+        }
+        let (u, b) = (url.to_owned(), body(true));
+        tasks.push((
+            true,
+            tokio::spawn(async move { stream(&u, &b, &[], None).await }),
+        ));
+        for k in 1..=load.beside {
+            let (url, b, at) = (url.to_owned(), body(false), step * k as u32);
+            tasks.push((
+                false,
+                tokio::spawn(async move {
+                    tokio::time::sleep(at).await;
+                    stream(&url, &b, &[], None).await
+                }),
+            ));
+        }
+        for (long, t) in tasks {
+            out.push(Sent {
+                long,
+                stream: ok(t.await.expect("task")),
+            });
+        }
     }
     out
 }

@@ -900,3 +900,51 @@ pub fn prose(words: usize, salt: &str) -> String {
     }
     s
 }
+
+/// An Alertmanager-style receiver: `POST /api/v2/alerts` with a JSON array; the first
+/// `refuse_first` POSTs get 503 (and are not kept).
+pub struct AlertReceiver {
+    pub addr: std::net::SocketAddr,
+    pub alerts: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+    pub posts: std::sync::Arc<std::sync::Mutex<u32>>,
+}
+
+pub async fn alert_receiver(refuse_first: u32) -> AlertReceiver {
+    use axum::routing::post;
+    let alerts: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>> =
+        std::sync::Arc::default();
+    let posts: std::sync::Arc<std::sync::Mutex<u32>> = std::sync::Arc::default();
+    let (a, p) = (alerts.clone(), posts.clone());
+    let app = axum::Router::new().route(
+        "/api/v2/alerts",
+        post(move |body: axum::body::Bytes| {
+            let (a, p) = (a.clone(), p.clone());
+            async move {
+                let n = {
+                    let mut p = p.lock().expect("lock");
+                    *p += 1;
+                    *p
+                };
+                if n <= refuse_first {
+                    return axum::http::StatusCode::SERVICE_UNAVAILABLE;
+                }
+                let v: serde_json::Value = serde_json::from_slice(&body).expect("JSON body");
+                let arr = v.as_array().expect("a JSON array").clone();
+                a.lock().expect("lock").extend(arr);
+                axum::http::StatusCode::OK
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    AlertReceiver {
+        addr,
+        alerts,
+        posts,
+    }
+}

@@ -31,6 +31,61 @@ fn protobuf_vllm_span_maps_every_field() {
     assert_eq!(spans, vec![expected_vllm(Some("vllm"))]);
 }
 
+/// The real thing: the OTLP/HTTP protobuf body a vLLM 0.32.0 server posted
+/// (`scripts/capture-vllm-fixtures.py`), holding the `llm_request` spans of the captured chat
+/// request (trace `4bf92f…`, its response `chat.json`) and of other requests. Every span
+/// decodes; the chat one carries exactly the numbers vLLM put in that response's `metrics`.
+#[test]
+fn real_vllm_0_32_protobuf_export_decodes() {
+    let body = include_bytes!(
+        "../../../tokenscope-cli/tests/fixtures/vllm/span-4bf92f3577b34da6a3ce929d0e0e4736.pb"
+    );
+    let decoded = decode_request_with_stats(PROTOBUF, body).expect("vLLM's own protobuf");
+    assert!(decoded.stats.spans_total >= 1);
+    assert_eq!(decoded.stats.engine_spans, decoded.stats.spans_total);
+    assert_eq!(decoded.stats.rejected_spans, 0);
+    let chat = decoded
+        .spans
+        .iter()
+        .find(|s| s.trace_id == TRACE_ID_HEX)
+        .expect("the chat request's span");
+    assert_eq!(chat.name, "llm_request");
+    assert_eq!(
+        chat.request_id.as_deref(),
+        Some("chatcmpl-8f1e9477a38e47dc")
+    );
+    assert_eq!(chat.service_name.as_deref(), Some("unknown_service:python"));
+    let response: serde_json::Value = serde_json::from_slice(include_bytes!(
+        "../../../tokenscope-cli/tests/fixtures/vllm/chat.json"
+    ))
+    .expect("chat.json");
+    assert_eq!(
+        response["id"], "chatcmpl-8f1e9477a38e47dc",
+        "the same request"
+    );
+    let m = &response["metrics"];
+    let near = |a: Option<f64>, b: &serde_json::Value| {
+        let (a, b) = (a.expect("a value"), b.as_f64().expect("a number"));
+        assert!((a - b).abs() <= 1e-6, "{a} vs {b}");
+    };
+    near(chat.update.queue_duration_ms, &m["queue_time_ms"]);
+    near(chat.update.decode_duration_ms, &m["generation_time_ms"]);
+    // vLLM's body TTFT runs from scheduling: the span's prefill.
+    near(
+        chat.update.prefill_duration_ms,
+        &m["time_to_first_token_ms"],
+    );
+    assert_eq!(chat.update.input_tokens, Some(17));
+    assert_eq!(chat.update.output_tokens, Some(8));
+    // The span's TTFT runs from arrival: queue + prefill + the frontend time before queueing.
+    let ttft = chat.ttft_ms.expect("ttft");
+    let (q, p) = (
+        chat.update.queue_duration_ms.expect("q"),
+        chat.update.prefill_duration_ms.expect("p"),
+    );
+    assert!(ttft >= q + p, "{ttft} < {q} + {p}");
+}
+
 /// A hand-written OTLP/JSON body as the spec shapes it: hex ids, lowerCamelCase, enums as
 /// integers, int64 as strings (and one as a plain number, which receivers must accept too).
 const VLLM_JSON: &str = r#"{

@@ -1,0 +1,161 @@
+//! Memory of the read side is flat in the row count: `tokenscope cost --since 30d` over a
+//! store with N rows and one with 10·N rows (the same groups) peaks at the same resident size,
+//! on the embedded store and on ClickHouse — the store sums, the process holds one row per
+//! group. (Before the sums moved into the stores, the command loaded every record of both
+//! windows: ~150 MB more at 10·N here.)
+//!
+//! Peak RSS is the child's `ru_maxrss`, read by a two-line Python wrapper (`getrusage` of
+//! the children). The bound is a relation — the big store may cost at most a few MB more than
+//! the small one — never an absolute size.
+
+use serde_json::Value;
+use std::process::Command;
+use tokenscope_core::{InputBucket, RequestRecord};
+
+const N: usize = 20_000;
+/// Slack for allocator and page-cache noise between two runs of the same command.
+const SLACK_KB: i64 = 16 * 1024;
+
+fn now_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0)
+}
+
+/// `n` records over the last 29 days: 4 business lines × 25 users × 3 models, whatever `n`.
+fn records(n: usize, now: i64) -> Vec<RequestRecord> {
+    let span = 29 * 86_400_000_000i64;
+    (0..n)
+        .map(|i| {
+            let input = 50 + (i as u64 * 37) % 3_000;
+            RequestRecord {
+                request_id: format!("m{n}-{i:08}"),
+                trace_id: format!("{:032x}", i),
+                created_at: now - 60_000_000 - (i as i64 * 7_919_993) % span,
+                model: ["llama-3-8b", "qwen-7b", "other"][i % 3].to_owned(),
+                upstream: "u".to_owned(),
+                business_line: Some(format!("bl{}", i % 4)),
+                user_id: Some(format!("user{}", i % 25)),
+                request_type: "chat".to_owned(),
+                input_tokens: Some(input),
+                output_tokens: Some(1 + i as u64 % 400),
+                cached_tokens: Some(input / 3),
+                input_bucket: Some(InputBucket::of(input)),
+                total_duration_ms: 100.0 + (i % 1_000) as f64,
+                ttft_ms: Some(20.0 + (i % 300) as f64),
+                prompt_text: None,
+                ..RequestRecord::default()
+            }
+        })
+        .collect()
+}
+
+/// Runs `tokenscope cost --since 30d …` on `store`; returns (peak RSS in KB, JSON).
+fn cost_peak(store: &str, config: &std::path::Path) -> (i64, Value) {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import resource, subprocess, sys\n\
+             p = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE)\n\
+             sys.stderr.write('maxrss=%d\\n' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n\
+             sys.stdout.buffer.write(p.stdout)\n\
+             sys.exit(p.returncode)",
+        )
+        .arg(env!("CARGO_BIN_EXE_tokenscope"))
+        .args(["cost", "--since", "30d", "--by", "business_line,user", "--format", "json"])
+        .arg("--store")
+        .arg(store)
+        .arg("--config")
+        .arg(config)
+        .env("TOKENSCOPE_LOG", "warn")
+        .output()
+        .expect("run python3");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let kb = err
+        .lines()
+        .find_map(|l| l.strip_prefix("maxrss="))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no maxrss: {err}"));
+    (kb, serde_json::from_slice(&out.stdout).expect("json"))
+}
+
+fn config(dir: &std::path::Path) -> std::path::PathBuf {
+    let p = dir.join("prices.toml");
+    std::fs::write(
+        &p,
+        "[[prices]]\nmodel = \"llama-3-8b\"\ninput_per_mtok = 0.2\noutput_per_mtok = 0.6\n\
+         [[prices]]\nmodel = \"qwen*\"\ngpu_hourly_usd = 2.5\n",
+    )
+    .expect("config");
+    p
+}
+
+fn assert_flat(kind: &str, small: (i64, Value), big: (i64, Value)) {
+    let (rs, js) = small;
+    let (rb, jb) = big;
+    assert_eq!(js["total"]["requests"], N as u64, "{kind}: {js}");
+    assert_eq!(jb["total"]["requests"], 10 * N as u64, "{kind}");
+    assert_eq!(
+        js["groups"].as_array().map(Vec::len),
+        jb["groups"].as_array().map(Vec::len),
+        "{kind}: same groups"
+    );
+    eprintln!(
+        "{kind}: cost --since 30d peak RSS {} MB at {N} rows, {} MB at {} rows",
+        rs / 1024,
+        rb / 1024,
+        10 * N
+    );
+    assert!(
+        rb <= rs + SLACK_KB,
+        "{kind}: peak RSS grew with the rows: {rs} KB at {N} rows, {rb} KB at {} rows",
+        10 * N
+    );
+}
+
+#[test]
+fn cost_memory_is_flat_in_rows_on_sqlite() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let now = now_us();
+    let cfg = config(dir.path());
+    let mut peaks = Vec::new();
+    for n in [N, 10 * N] {
+        let db = dir.path().join(format!("m{n}.db"));
+        let mut s = tokenscope_store::SqliteStore::open(&db).expect("open");
+        for chunk in records(n, now).chunks(5_000) {
+            s.insert_batch(chunk).expect("insert");
+        }
+        drop(s);
+        peaks.push(cost_peak(&db.to_string_lossy(), &cfg));
+    }
+    let big = peaks.pop().expect("big");
+    let small = peaks.pop().expect("small");
+    assert_flat("sqlite", small, big);
+}
+
+#[test]
+fn cost_memory_is_flat_in_rows_on_clickhouse() {
+    use tokenscope_clickhouse::testutil::{clickhouse_or_skip, ClickHouseServer};
+    if !clickhouse_or_skip() {
+        return;
+    }
+    let ch = ClickHouseServer::start().expect("start clickhouse");
+    let dir = tempfile::tempdir().expect("tmp");
+    let now = now_us();
+    let cfg = config(dir.path());
+    let mut peaks = Vec::new();
+    for n in [N, 10 * N] {
+        let url = ch.url(&format!("mem{n}"));
+        let store = tokenscope_clickhouse::ClickHouseStore::connect_url(&url).expect("connect");
+        store.migrate().expect("migrate");
+        for chunk in records(n, now).chunks(20_000) {
+            store.insert(chunk).expect("insert");
+        }
+        peaks.push(cost_peak(&url, &cfg));
+    }
+    let big = peaks.pop().expect("big");
+    let small = peaks.pop().expect("small");
+    assert_flat("clickhouse", small, big);
+}

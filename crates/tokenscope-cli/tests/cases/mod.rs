@@ -188,32 +188,52 @@ pub async fn head_of_line(url: &str, load: &HeadOfLine<'_>) -> Vec<Sent> {
 /// conclusion is that step. Returns the starvation ratio.
 pub fn assert_names_starvation(report: &Value, text: &str, long_bucket: &str) -> f64 {
     let ttft = step(report, "ttft");
-    assert_eq!(ttft["verdict"], "problem", "{text}");
-    assert!(has(&ttft["findings"], "starvation"), "{text}");
-    assert_eq!(ttft["evidence"]["long_bucket"], long_bucket, "{text}");
-    let ratio = ttft["evidence"]["starvation_ratio"]
-        .as_f64()
-        .unwrap_or_else(|| panic!("no starvation ratio: {text}"));
-    assert!(ratio >= 2.0, "{text}");
-    assert!(
-        ttft["evidence"]["short_beside_long_n"].as_u64().expect("n") >= 10,
-        "{text}"
+    let e = &ttft["evidence"];
+    // What failed comes first, in a line (a CI log shows the beginning of a failing test's
+    // output), then the whole report.
+    let short = format!(
+        "ttft: {} {} ({}); conclusion: {} {}; starvation ratio {}, short beside long n={}, alone \
+         n={}, long bucket {}",
+        ttft["verdict"],
+        ttft["findings"],
+        ttft["summary"],
+        report["conclusion"]["step"],
+        report["conclusion"]["findings"],
+        e["starvation_ratio"],
+        e["short_beside_long_n"],
+        e["short_alone_n"],
+        e["long_bucket"],
     );
-    assert!(
-        ttft["evidence"]["short_alone_n"].as_u64().expect("n") >= 10,
-        "{text}"
+    let check = |ok: bool, what: &str| assert!(ok, "{what}: {short}\n{text}");
+    check(ttft["verdict"] == "problem", "the TTFT step is no problem");
+    check(
+        has(&ttft["findings"], "starvation"),
+        "no starvation finding",
     );
-    assert_eq!(report["conclusion"]["step"], "ttft", "{text}");
-    assert!(
+    check(e["long_bucket"] == long_bucket, "another long bucket");
+    let ratio = e["starvation_ratio"].as_f64().unwrap_or(0.0);
+    check(ratio >= 2.0, "starvation ratio under 2");
+    check(
+        e["short_beside_long_n"].as_u64().unwrap_or(0) >= 10,
+        "under 10 short requests beside long ones",
+    );
+    check(
+        e["short_alone_n"].as_u64().unwrap_or(0) >= 10,
+        "under 10 short requests alone",
+    );
+    check(
+        report["conclusion"]["step"] == "ttft",
+        "the conclusion is not the TTFT step",
+    );
+    check(
         has(&report["conclusion"]["findings"], "starvation"),
-        "{text}"
+        "the conclusion does not name starvation",
     );
-    assert!(
+    check(
         report["conclusion"]["summary"]
             .as_str()
-            .expect("summary")
-            .contains("long prompts starve short ones"),
-        "{text}"
+            .is_some_and(|s| s.contains("long prompts starve short ones")),
+        "the conclusion's summary does not say it",
     );
     ratio
 }

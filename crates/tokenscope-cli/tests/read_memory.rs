@@ -53,6 +53,42 @@ fn records(n: usize, now: i64) -> Vec<RequestRecord> {
 
 /// Runs `tokenscope cost --since 30d …` on `store`; returns (peak RSS in KB, JSON).
 fn cost_peak(store: &str, config: &std::path::Path) -> (i64, Value) {
+    peak(
+        &[
+            "cost",
+            "--since",
+            "30d",
+            "--by",
+            "business_line,user",
+            "--format",
+            "json",
+        ],
+        store,
+        Some(config),
+    )
+}
+
+/// Runs `tokenscope report --since 30d --by model,input_bucket` on `store`, holding at most
+/// 10,000 rows' values (`TOKENSCOPE_REPORT_VALUE_BUDGET`): both row counts take their
+/// percentiles from the store's sorted passes; returns (peak RSS in KB, JSON).
+fn report_peak(store: &str) -> (i64, Value) {
+    peak(
+        &[
+            "report",
+            "--since",
+            "30d",
+            "--by",
+            "model,input_bucket",
+            "--format",
+            "json",
+        ],
+        store,
+        None,
+    )
+}
+
+/// Runs `tokenscope ARGS --store STORE [--config CONFIG]`; returns (peak RSS in KB, JSON).
+fn peak(args: &[&str], store: &str, config: Option<&std::path::Path>) -> (i64, Value) {
     let out = Command::new("python3")
         .arg("-c")
         .arg(
@@ -63,12 +99,12 @@ fn cost_peak(store: &str, config: &std::path::Path) -> (i64, Value) {
              sys.exit(p.returncode)",
         )
         .arg(env!("CARGO_BIN_EXE_tokenscope"))
-        .args(["cost", "--since", "30d", "--by", "business_line,user", "--format", "json"])
+        .args(args)
         .arg("--store")
         .arg(store)
-        .arg("--config")
-        .arg(config)
+        .args(config.map(|c| ["--config".as_ref(), c.as_os_str()]).into_iter().flatten())
         .env("TOKENSCOPE_LOG", "warn")
+        .env("TOKENSCOPE_REPORT_VALUE_BUDGET", "10000")
         .output()
         .expect("run python3");
     let err = String::from_utf8_lossy(&out.stderr);
@@ -115,12 +151,47 @@ fn assert_flat(kind: &str, small: (i64, Value), big: (i64, Value)) {
     );
 }
 
+/// `report` over both stores: the same groups, every row counted, peak RSS flat.
+fn assert_report_flat(kind: &str, small: (i64, Value), big: (i64, Value)) {
+    let (rs, js) = small;
+    let (rb, jb) = big;
+    let count = |j: &Value| -> u64 {
+        j.as_array()
+            .map(|rows| rows.iter().filter_map(|r| r["count"].as_u64()).sum())
+            .unwrap_or(0)
+    };
+    assert_eq!(count(&js), N as u64, "{kind}: {js}");
+    assert_eq!(count(&jb), 10 * N as u64, "{kind}");
+    assert_eq!(
+        js.as_array().map(Vec::len),
+        jb.as_array().map(Vec::len),
+        "{kind}: same groups"
+    );
+    // Every group's percentiles are values of the group (the sorted passes found each rank).
+    for row in jb.as_array().into_iter().flatten() {
+        for k in ["ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms"] {
+            assert!(row[k].is_number(), "{kind}: {k} missing: {row}");
+        }
+    }
+    eprintln!(
+        "{kind}: report --since 30d peak RSS {} MB at {N} rows, {} MB at {} rows",
+        rs / 1024,
+        rb / 1024,
+        10 * N
+    );
+    assert!(
+        rb <= rs + SLACK_KB,
+        "{kind}: report peak RSS grew with the rows: {rs} KB at {N} rows, {rb} KB at {} rows",
+        10 * N
+    );
+}
+
 #[test]
 fn cost_memory_is_flat_in_rows_on_sqlite() {
     let dir = tempfile::tempdir().expect("tmp");
     let now = now_us();
     let cfg = config(dir.path());
-    let mut peaks = Vec::new();
+    let (mut peaks, mut reports) = (Vec::new(), Vec::new());
     for n in [N, 10 * N] {
         let db = dir.path().join(format!("m{n}.db"));
         let mut s = tokenscope_store::SqliteStore::open(&db).expect("open");
@@ -129,10 +200,14 @@ fn cost_memory_is_flat_in_rows_on_sqlite() {
         }
         drop(s);
         peaks.push(cost_peak(&db.to_string_lossy(), &cfg));
+        reports.push(report_peak(&db.to_string_lossy()));
     }
     let big = peaks.pop().expect("big");
     let small = peaks.pop().expect("small");
     assert_flat("sqlite", small, big);
+    let big = reports.pop().expect("big");
+    let small = reports.pop().expect("small");
+    assert_report_flat("sqlite", small, big);
 }
 
 #[test]
@@ -145,7 +220,7 @@ fn cost_memory_is_flat_in_rows_on_clickhouse() {
     let dir = tempfile::tempdir().expect("tmp");
     let now = now_us();
     let cfg = config(dir.path());
-    let mut peaks = Vec::new();
+    let (mut peaks, mut reports) = (Vec::new(), Vec::new());
     for n in [N, 10 * N] {
         let url = ch.url(&format!("mem{n}"));
         let store = tokenscope_clickhouse::ClickHouseStore::connect_url(&url).expect("connect");
@@ -154,8 +229,12 @@ fn cost_memory_is_flat_in_rows_on_clickhouse() {
             store.insert(chunk).expect("insert");
         }
         peaks.push(cost_peak(&url, &cfg));
+        reports.push(report_peak(&url));
     }
     let big = peaks.pop().expect("big");
     let small = peaks.pop().expect("small");
     assert_flat("clickhouse", small, big);
+    let big = reports.pop().expect("big");
+    let small = reports.pop().expect("small");
+    assert_report_flat("clickhouse", small, big);
 }

@@ -81,6 +81,18 @@
 //! One pass over the selected rows; group keys are small integer vectors (dimension values
 //! are interned per distinct value, so no `String` is allocated per row), values go into
 //! per-group `Vec<f64>`s and quantiles are taken with `select_nth_unstable_by` (linear time).
+//!
+//! ## Memory
+//!
+//! The scans run lean (no memory map, a small page cache) and hold at most
+//! [`VALUE_BUDGET`] rows' values (`TOKENSCOPE_REPORT_VALUE_BUDGET` overrides it). Past it the
+//! scan drops the values it held and keeps, per group and metric, only the count and the
+//! exact sum; the percentiles then come from one sorted pass per metric ([`sorted_quantiles`]:
+//! `ORDER BY group, value` through SQLite's external sorter, which spills to temporary files),
+//! picking each group's nearest ranks as the rows stream by. Same definition, same bits (a
+//! test compares budgets 0, 100 and unlimited on 1–4 threads), and the process holds
+//! per-group state only: memory does not grow with the window's rows
+//! (`tests/read_memory.rs` in the CLI).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -295,40 +307,66 @@ pub fn run_report_threads(
     q: &ReportQuery,
     threads: usize,
 ) -> Result<Vec<ReportRow>, StoreError> {
+    run_report_budget(store, q, threads, value_budget())
+}
+
+/// [`VALUE_BUDGET`], or `TOKENSCOPE_REPORT_VALUE_BUDGET` when set to a number (rows; 0 makes
+/// every report take its percentiles from sorted passes).
+pub fn value_budget() -> usize {
+    std::env::var("TOKENSCOPE_REPORT_VALUE_BUDGET")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(VALUE_BUDGET)
+}
+
+/// [`run_report_threads`] with an explicit [`VALUE_BUDGET`] (rows whose values are held
+/// before the report takes its percentiles from sorted passes instead; 0 = always sorted).
+/// The scans run lean (no memory map, a small page cache): with the budget, the report's
+/// memory does not grow with the window's row count.
+pub fn run_report_budget(
+    store: &SqliteStore,
+    q: &ReportQuery,
+    threads: usize,
+    budget: usize,
+) -> Result<Vec<ReportRow>, StoreError> {
     validate(q)?;
     let now = now_us();
     let in_memory = store.path() == Path::new(":memory:");
-    if threads <= 1 || in_memory {
-        let part = scan(store.conn(), q, q.since_us, q.until_us)?;
-        return Ok(finish(q, vec![part], now));
-    }
-    let slices = match split_range(store.conn(), q, threads)? {
-        Some(s) => s,
-        None => return Ok(Vec::new()), // no rows in range
-    };
-    let path = store.path();
-    let parts = std::thread::scope(|scope| {
-        let workers: Vec<_> = slices[1..]
-            .iter()
-            .map(|&(lo, hi)| {
-                scope.spawn(move || -> Result<Partial, StoreError> {
-                    let conn = SqliteStore::open_read_only(path)?;
-                    scan(conn.conn(), q, lo, hi)
-                })
-            })
-            .collect();
-        let mut parts = Vec::with_capacity(slices.len());
-        let (lo, hi) = slices[0];
-        parts.push(scan(store.conn(), q, lo, hi));
-        for w in workers {
-            parts.push(w.join().unwrap_or(Err(StoreError::InvalidQuery(
-                "report worker thread panicked".to_owned(),
-            ))));
+    let conn = store.conn();
+    crate::sqlite::lean(conn, || {
+        if threads <= 1 || in_memory {
+            let part = scan(conn, q, q.since_us, q.until_us, budget)?;
+            return finish(q, vec![part], now, Some(conn));
         }
-        parts
-    });
-    let parts = parts.into_iter().collect::<Result<Vec<_>, _>>()?;
-    Ok(finish(q, parts, now))
+        let slices = match split_range(conn, q, threads)? {
+            Some(s) => s,
+            None => return Ok(Vec::new()), // no rows in range
+        };
+        let share = budget / slices.len();
+        let path = store.path();
+        let parts = std::thread::scope(|scope| {
+            let workers: Vec<_> = slices[1..]
+                .iter()
+                .map(|&(lo, hi)| {
+                    scope.spawn(move || -> Result<Partial, StoreError> {
+                        let worker = SqliteStore::open_read_only(path)?;
+                        crate::sqlite::lean(worker.conn(), || scan(worker.conn(), q, lo, hi, share))
+                    })
+                })
+                .collect();
+            let mut parts = Vec::with_capacity(slices.len());
+            let (lo, hi) = slices[0];
+            parts.push(scan(conn, q, lo, hi, share));
+            for w in workers {
+                parts.push(w.join().unwrap_or(Err(StoreError::InvalidQuery(
+                    "report worker thread panicked".to_owned(),
+                ))));
+            }
+            parts
+        });
+        let parts = parts.into_iter().collect::<Result<Vec<_>, _>>()?;
+        finish(q, parts, now, Some(conn))
+    })
 }
 
 /// [`run_report`] on a raw connection holding the tokenscope schema (single-threaded).
@@ -343,8 +381,8 @@ pub fn run_report_at(
     now_us: i64,
 ) -> Result<Vec<ReportRow>, StoreError> {
     validate(q)?;
-    let part = scan(conn, q, q.since_us, q.until_us)?;
-    Ok(finish(q, vec![part], now_us))
+    let part = scan(conn, q, q.since_us, q.until_us, value_budget())?;
+    finish(q, vec![part], now_us, Some(conn))
 }
 
 fn now_us() -> i64 {
@@ -528,6 +566,10 @@ struct Acc {
     /// contiguous push per row (rather than one per metric into six vectors) keeps the scan
     /// to one cache line per row when rows hit many groups in turn.
     values: Vec<[f64; METRICS]>,
+    /// Once the scan spilled (see [`VALUE_BUDGET`]): per metric, values seen and their exact
+    /// sum, of the rows whose values are no longer held (`values` is then empty).
+    metric_n: [u64; METRICS],
+    metric_sum: [ExactSum; METRICS],
     /// Σ queue and Σ TTFT over the `share_n` rows having both.
     share_queue_ms: ExactSum,
     share_ttft_ms: ExactSum,
@@ -694,6 +736,40 @@ fn report_sql(
 struct Partial {
     interners: Vec<Interner>,
     accs: Vec<(Vec<i64>, Acc)>,
+    /// Rows whose values may still be held before the scan spills.
+    values_left: usize,
+    /// Whether values were dropped: quantiles then come from the store's sorted passes.
+    spilled: bool,
+}
+
+/// Rows whose six values a report holds in memory (48 bytes each: 24 MB) before it drops
+/// them and takes its percentiles from sorted passes in SQLite instead ([`sorted_quantiles`]),
+/// so the report's memory is bounded whatever the window's row count.
+pub const VALUE_BUDGET: usize = 500_000;
+
+impl Acc {
+    /// Folds the held values into the per-metric counts and sums and drops them.
+    fn spill(&mut self) {
+        for v in self.values.drain(..) {
+            for (m, x) in v.iter().enumerate() {
+                if !x.is_nan() {
+                    self.metric_n[m] += 1;
+                    self.metric_sum[m].add(*x);
+                }
+            }
+        }
+        self.values = Vec::new();
+    }
+}
+
+impl Partial {
+    fn spill(&mut self) {
+        for (_, acc) in &mut self.accs {
+            acc.spill();
+        }
+        self.spilled = true;
+        self.values_left = 0;
+    }
 }
 
 /// Scans `[lo, hi)` (plus the query's filters) of a SQLite store and accumulates per group.
@@ -702,12 +778,14 @@ fn scan(
     q: &ReportQuery,
     lo: i64,
     hi: Option<i64>,
+    budget: usize,
 ) -> Result<Partial, StoreError> {
     let (sql, params, _) = report_sql(q, lo, hi)?;
     let mut stmt = conn.prepare_cached(&sql)?;
     let ncols = stmt.column_count();
     let mut rows = stmt.query(rusqlite::params_from_iter(params))?;
     let mut scanner = Scanner::new(q)?;
+    scanner.partial.values_left = budget;
     // At most 11 fixed columns + every dimension once.
     const MAX_COLS: usize = 11 + Dimension::ALL.len();
     let ncols = ncols.min(MAX_COLS);
@@ -779,6 +857,8 @@ impl Scanner {
             partial: Partial {
                 interners: (0..ndims).map(|_| Interner::default()).collect(),
                 accs: Vec::new(),
+                values_left: usize::MAX,
+                spilled: false,
             },
             q: q.clone(),
         })
@@ -843,7 +923,22 @@ impl Scanner {
                 v[slot] = x;
             }
         }
-        acc.values.push(v);
+        if self.partial.values_left > 0 {
+            self.partial.values_left -= 1;
+            acc.values.push(v);
+        } else {
+            if !self.partial.spilled {
+                self.partial.spill();
+            }
+            let acc = &mut self.partial.accs[slot].1;
+            for (m, x) in v.iter().enumerate() {
+                if !x.is_nan() {
+                    acc.metric_n[m] += 1;
+                    acc.metric_sum[m].add(*x);
+                }
+            }
+        }
+        let acc = &mut self.partial.accs[slot].1;
         if let (Some(q), Some(t)) = (queue, ttft) {
             acc.share_queue_ms.add(q);
             acc.share_ttft_ms.add(t);
@@ -856,7 +951,8 @@ impl Scanner {
 
     /// The report rows (`now_us` closes an open-ended range).
     pub fn finish(self, now_us: i64) -> Vec<ReportRow> {
-        finish(&self.q, vec![self.partial], now_us)
+        // This scanner holds every value (no budget): it never needs the store again.
+        finish(&self.q, vec![self.partial], now_us, None).unwrap_or_default()
     }
 
     /// [`finish`](Scanner::finish) at the current time.
@@ -882,6 +978,10 @@ impl Acc {
         self.ok += other.ok;
         self.counted += other.counted;
         self.values.extend(other.values);
+        for m in 0..METRICS {
+            self.metric_n[m] += other.metric_n[m];
+            self.metric_sum[m].merge(other.metric_sum[m]);
+        }
         self.share_queue_ms.merge(other.share_queue_ms);
         self.share_ttft_ms.merge(other.share_ttft_ms);
         self.share_n += other.share_n;
@@ -891,13 +991,24 @@ impl Acc {
     }
 }
 
+/// (bucket, labels) → accumulator; labels are `None` for NULL.
+type GroupKey = (i64, Vec<Option<String>>);
+
 /// Merges partial scans by group label, computes each group's quantiles, then
-/// [`finish_groups`].
-fn finish(q: &ReportQuery, parts: Vec<Partial>, now_us: i64) -> Vec<ReportRow> {
-    // (bucket, labels) → accumulator; labels are `None` for NULL.
-    type GroupKey = (i64, Vec<Option<String>>);
+/// [`finish_groups`]. When a scan spilled its values, the quantiles come from sorted passes
+/// over `conn` (which must then be given) and the means from the exact per-metric sums.
+fn finish(
+    q: &ReportQuery,
+    parts: Vec<Partial>,
+    now_us: i64,
+    conn: Option<&Connection>,
+) -> Result<Vec<ReportRow>, StoreError> {
+    let spilled = parts.iter().any(|p| p.spilled);
     let mut merged: HashMap<GroupKey, Acc> = HashMap::new();
-    for part in parts {
+    for mut part in parts {
+        if spilled && !part.spilled {
+            part.spill();
+        }
         for (k, acc) in part.accs {
             let labels: Vec<Option<String>> = q
                 .group_by
@@ -913,30 +1024,204 @@ fn finish(q: &ReportQuery, parts: Vec<Partial>, now_us: i64) -> Vec<ReportRow> {
             }
         }
     }
+    let mut sorted = match (spilled, conn) {
+        (false, _) => None,
+        (true, Some(conn)) => Some(sorted_quantiles(conn, q, &merged)?),
+        (true, None) => {
+            return Err(StoreError::InvalidQuery(
+                "report spilled its values without a store to sort them".to_owned(),
+            ))
+        }
+    };
     let mut buf: Vec<f64> = Vec::new();
     let groups = merged
         .into_iter()
-        .map(|((bucket, labels), a)| GroupAgg {
-            bucket_start_us: bucket,
-            labels,
-            count: a.count,
-            ok: a.ok,
-            counted: a.counted,
-            ttft: quantiles_of(&a.values, M_TTFT, &mut buf),
-            tpot: quantiles_of(&a.values, M_TPOT, &mut buf),
-            e2e: quantiles_of(&a.values, M_E2E, &mut buf),
-            queue: quantiles_of(&a.values, M_QUEUE, &mut buf),
-            prefill: quantiles_of(&a.values, M_PREFILL, &mut buf),
-            decode: quantiles_of(&a.values, M_DECODE, &mut buf),
-            share_n: a.share_n,
-            share_queue_units: a.share_queue_ms.0,
-            share_ttft_units: a.share_ttft_ms.0,
-            input_tokens: a.input_tokens,
-            output_tokens: a.output_tokens,
-            cached_tokens: a.cached_tokens,
+        .map(|(key, a)| {
+            let qs: [Quantiles; METRICS] = match sorted.as_mut() {
+                None => std::array::from_fn(|m| quantiles_of(&a.values, m, &mut buf)),
+                Some(found) => {
+                    let ranks = found.remove(&key).unwrap_or_default();
+                    std::array::from_fn(|m| {
+                        let n = a.metric_n[m];
+                        if n == 0 {
+                            return Quantiles::default();
+                        }
+                        let v = ranks.get(m).copied().unwrap_or([None; 4]);
+                        Quantiles {
+                            n,
+                            p50: v[0],
+                            p90: v[1],
+                            p95: v[2],
+                            p99: v[3],
+                            mean: Some(a.metric_sum[m].value() / n as f64),
+                        }
+                    })
+                }
+            };
+            let (bucket, labels) = key;
+            GroupAgg {
+                bucket_start_us: bucket,
+                labels,
+                count: a.count,
+                ok: a.ok,
+                counted: a.counted,
+                ttft: qs[M_TTFT],
+                tpot: qs[M_TPOT],
+                e2e: qs[M_E2E],
+                queue: qs[M_QUEUE],
+                prefill: qs[M_PREFILL],
+                decode: qs[M_DECODE],
+                share_n: a.share_n,
+                share_queue_units: a.share_queue_ms.0,
+                share_ttft_units: a.share_ttft_ms.0,
+                input_tokens: a.input_tokens,
+                output_tokens: a.output_tokens,
+                cached_tokens: a.cached_tokens,
+            }
         })
         .collect();
-    finish_groups(q, groups, now_us)
+    Ok(finish_groups(q, groups, now_us))
+}
+
+/// The metric columns, in the order of the `M_*` indexes.
+const METRIC_COLUMNS: [&str; METRICS] = [
+    "ttft_ms",
+    "tpot_ms",
+    "total_duration_ms",
+    "queue_duration_ms",
+    "prefill_duration_ms",
+    "decode_duration_ms",
+];
+
+/// Per group, per metric: the values at the nearest ranks of P50, P90, P95, P99.
+type RankValues = HashMap<GroupKey, Vec<[Option<f64>; 4]>>;
+
+/// The exact percentiles of every group by sorted passes, one per metric: `SELECT group
+/// columns, value … ORDER BY group, value` streamed through SQLite's sorter (which spills to
+/// temporary files, so memory stays bounded), picking the values at each group's nearest
+/// ranks (`n` per group and metric from the first pass, `groups`). A group's values must come
+/// in ascending order; the ORDER BY groups by the same key the scan does (the bands as their
+/// index, `stream` as a boolean, other columns as text), and a value below its predecessor in
+/// the same group is an error rather than a wrong percentile.
+fn sorted_quantiles(
+    conn: &Connection,
+    q: &ReportQuery,
+    groups: &HashMap<GroupKey, Acc>,
+) -> Result<RankValues, StoreError> {
+    let (_, params, _) = report_sql(q, q.since_us, q.until_us)?;
+    let (base, _, _) = report_sql(q, q.since_us, q.until_us)?;
+    // The WHERE clause of the report's SELECT, reused as is.
+    let where_at = base.find(" FROM ").unwrap_or(0);
+    let from_where = &base[where_at..];
+    let iv = interval_us(q);
+    let bucket_expr = match iv {
+        Some(iv) => format!("(created_at - ((created_at % {iv}) + {iv}) % {iv})"),
+        None => "0".to_owned(),
+    };
+    let order_of = |d: Dimension| -> String {
+        let c = d.column();
+        match d {
+            Dimension::KvUsageBand | Dimension::GpuBand => format!(
+                "CASE WHEN typeof({c}) NOT IN ('integer', 'real') THEN -1 WHEN {c} < {} THEN 0 \
+                 WHEN {c} < {} THEN 1 WHEN {c} < {} THEN 2 ELSE 3 END",
+                KV_BAND_LOWER[0], KV_BAND_LOWER[1], KV_BAND_LOWER[2]
+            ),
+            Dimension::Stream => format!("({c} <> 0)"),
+            _ => format!("CAST({c} AS TEXT)"),
+        }
+    };
+    let mut out: RankValues = HashMap::with_capacity(groups.len());
+    for (m, col) in METRIC_COLUMNS.iter().enumerate() {
+        let mut sql = format!("SELECT {bucket_expr}, {col}");
+        for d in &q.group_by {
+            sql.push_str(", ");
+            sql.push_str(d.column());
+        }
+        sql.push_str(from_where);
+        sql.push_str(&format!(
+            " AND typeof({col}) IN ('integer', 'real') ORDER BY "
+        ));
+        // (A constant ORDER BY term would be read as a column number.)
+        if iv.is_some() {
+            sql.push_str(&bucket_expr);
+            sql.push_str(", ");
+        }
+        for d in &q.group_by {
+            sql.push_str(&order_of(*d));
+            sql.push_str(", ");
+        }
+        sql.push_str(col);
+        let mut stmt = conn.prepare(&sql)?;
+        let mut rows = stmt.query(rusqlite::params_from_iter(params.iter()))?;
+        let mut interners: Vec<Interner> =
+            (0..q.group_by.len()).map(|_| Interner::default()).collect();
+        let mut ids: Vec<i64> = Vec::new();
+        let mut prev_ids: Option<Vec<i64>> = None;
+        // The current group: its key, ranks wanted, position, last value.
+        let mut cur: Option<(GroupKey, [usize; 4], usize, f64)> = None;
+        let mut seen: std::collections::HashSet<GroupKey> = std::collections::HashSet::new();
+        while let Some(row) = rows.next()? {
+            let bucket: i64 = row.get(0)?;
+            let value = match row.get_ref(1)? {
+                ValueRef::Integer(i) => i as f64,
+                ValueRef::Real(f) => f,
+                _ => continue,
+            };
+            ids.clear();
+            ids.push(bucket);
+            for (i, d) in q.group_by.iter().enumerate() {
+                let v = match row.get_ref(2 + i)? {
+                    ValueRef::Null => ScanValue::Null,
+                    ValueRef::Integer(x) => ScanValue::Int(x),
+                    ValueRef::Real(f) => ScanValue::Real(f),
+                    ValueRef::Text(b) | ValueRef::Blob(b) => ScanValue::Text(b),
+                };
+                ids.push(interners[i].id_of(*d, v));
+            }
+            if prev_ids.as_deref() != Some(ids.as_slice()) {
+                let labels: Vec<Option<String>> = q
+                    .group_by
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| interners[i].label(*d, ids[i + 1]))
+                    .collect();
+                let key: GroupKey = (bucket, labels);
+                if !seen.insert(key.clone()) {
+                    return Err(StoreError::InvalidQuery(format!(
+                        "report: the rows of group {key:?} do not come together in SQLite's \
+                         order (mixed value types in a group column)"
+                    )));
+                }
+                let n = groups.get(&key).map_or(0, |a| a.metric_n[m]) as usize;
+                let ranks = if n == 0 {
+                    [usize::MAX; 4]
+                } else {
+                    [0.50, 0.90, 0.95, 0.99].map(|p| nearest_rank_index(n, p) - 1)
+                };
+                cur = Some((key, ranks, 0, f64::NEG_INFINITY));
+                prev_ids = Some(ids.clone());
+            }
+            let Some((key, ranks, pos, last)) = cur.as_mut() else {
+                continue;
+            };
+            if value < *last {
+                return Err(StoreError::InvalidQuery(
+                    "report: SQLite returned a group's values out of order".to_owned(),
+                ));
+            }
+            *last = value;
+            for (j, &k) in ranks.iter().enumerate() {
+                if k == *pos {
+                    let slot = out
+                        .entry(key.clone())
+                        .or_insert_with(|| vec![[None; 4]; METRICS]);
+                    slot[m][j] = Some(value);
+                }
+            }
+            *pos += 1;
+        }
+    }
+    Ok(out)
 }
 
 /// One group of a report, already aggregated — what a store that aggregates in its own
@@ -1799,6 +2084,17 @@ mod tests {
         for query in &queries {
             let single = run_report_threads(&r, query, 1).expect("single");
             assert!(!single.is_empty());
+            // Values dropped at once (budget 0) or part-way (100 rows): the percentiles come
+            // from SQLite's sorted passes and the means from exact sums — the same bits.
+            for budget in [0, 100, 2999] {
+                for threads in [1, 2, 4] {
+                    let spilled = run_report_budget(&r, query, threads, budget).expect("spilled");
+                    assert_eq!(
+                        spilled, single,
+                        "budget {budget}, {threads} threads: {query:?}"
+                    );
+                }
+            }
             for threads in [2, 3, 4] {
                 let par = run_report_threads(&r, query, threads).expect("parallel");
                 assert_eq!(par.len(), single.len());
@@ -2279,6 +2575,9 @@ mod tests {
                 .collect();
             s.insert_batch(&recs).expect("insert");
             let out = run_report(&s, &q(vec![Dimension::Model])).expect("report");
+            // The same from sorted passes (no value held).
+            let sorted = run_report_budget(&s, &q(vec![Dimension::Model]), 1, 0).expect("sorted");
+            prop_assert_eq!(&sorted, &out);
             for r in &out {
                 let name = &r.group[0].1;
                 let vals: Vec<f64> = recs

@@ -750,27 +750,7 @@ impl SqliteStore {
     /// cache (restored afterwards), so the process's resident size does not grow with the
     /// file: a month of rows costs what a day does.
     pub fn usage(&self, q: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
-        // (An in-memory database has no `mmap_size`: nothing to change or restore.)
-        let get = |p: &str| -> Option<i64> {
-            self.conn
-                .query_row(&format!("PRAGMA {p}"), [], |r| r.get(0))
-                .ok()
-        };
-        let (mmap, cache) = (get("mmap_size"), get("cache_size"));
-        if mmap.is_some() {
-            self.conn.pragma_update(None, "mmap_size", 0)?;
-        }
-        if cache.is_some() {
-            self.conn.pragma_update(None, "cache_size", -4096)?;
-        }
-        let out = self.usage_scan(q);
-        if let Some(m) = mmap {
-            self.conn.pragma_update(None, "mmap_size", m)?;
-        }
-        if let Some(c) = cache {
-            self.conn.pragma_update(None, "cache_size", c)?;
-        }
-        out
+        lean(&self.conn, || self.usage_scan(q))
     }
 
     fn usage_scan(&self, q: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
@@ -1175,6 +1155,35 @@ pub fn record_from_row(row: &Row<'_>) -> rusqlite::Result<RequestRecord> {
         cache_creation_tokens: get_u64(row, 52)?,
         replica: row.get(53)?,
     })
+}
+
+/// Runs `f` with `conn` lean: no memory map and a small page cache (both restored
+/// afterwards), so a scan over a large file keeps the process's resident size flat — a month
+/// of rows costs what a day does. (An in-memory database has no `mmap_size`: nothing to
+/// change or restore.)
+pub(crate) fn lean<T>(
+    conn: &Connection,
+    f: impl FnOnce() -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    let get = |p: &str| -> Option<i64> {
+        conn.query_row(&format!("PRAGMA {p}"), [], |r| r.get(0))
+            .ok()
+    };
+    let (mmap, cache) = (get("mmap_size"), get("cache_size"));
+    if mmap.is_some() {
+        conn.pragma_update(None, "mmap_size", 0)?;
+    }
+    if cache.is_some() {
+        conn.pragma_update(None, "cache_size", -4096)?;
+    }
+    let out = f();
+    if let Some(m) = mmap {
+        conn.pragma_update(None, "mmap_size", m)?;
+    }
+    if let Some(c) = cache {
+        conn.pragma_update(None, "cache_size", c)?;
+    }
+    out
 }
 
 #[cfg(test)]

@@ -220,10 +220,7 @@ fn key_map(by: &[Dimension], key: &[String]) -> BTreeMap<String, String> {
 
 /// The `by` dimensions as a store usage query over `window`.
 pub fn usage_query(by: &[Dimension], window: Window) -> UsageQuery {
-    UsageQuery {
-        window,
-        group_by: by.to_vec(),
-    }
+    UsageQuery::new(window, by.to_vec())
 }
 
 /// Prices the usage rows of one window and folds them into groups keyed by their labels.
@@ -302,7 +299,7 @@ pub fn analyze(
         let mut acc = UsageAcc::new(&usage_query(by, w)).ok();
         for r in recs {
             if let Some(acc) = acc.as_mut() {
-                acc.add(r);
+                acc.add(r, None);
             }
         }
         acc.map(UsageAcc::finish).unwrap_or_default()

@@ -4,9 +4,16 @@
 //! group. (Before the sums moved into the stores, the command loaded every record of both
 //! windows: ~150 MB more at 10·N here.)
 //!
+//! The built-in dashboard is held to the same rule inside the serving gateway: its three
+//! pages over 7 days of a store with N and with 10·N rows (same groups) raise the gateway's
+//! peak RSS (`VmHWM`) by the same amount — the pages read the store's aggregates, never the
+//! window's rows (before, a 7-day page over 300 000 rows peaked at 360 MB).
+//!
 //! Peak RSS is the child's `ru_maxrss`, read by a two-line Python wrapper (`getrusage` of
 //! the children). The bound is a relation — the big store may cost at most a few MB more than
 //! the small one — never an absolute size.
+
+mod common;
 
 use serde_json::Value;
 use std::process::Command;
@@ -237,4 +244,123 @@ fn cost_memory_is_flat_in_rows_on_clickhouse() {
     let big = reports.pop().expect("big");
     let small = reports.pop().expect("small");
     assert_report_flat("clickhouse", small, big);
+}
+
+/// `(VmRSS, VmHWM)` of a process, KB.
+fn rss_hwm_kb(pid: u32) -> (i64, i64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let field = |name: &str| -> i64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Starts a gateway on `store` (holding at most 10 000 rows' values in a report, as the CLI
+/// runs above), opens the overview, performance and cost pages for 7 days, and returns how
+/// far they raised its peak RSS (KB) and the overview's JSON.
+fn dashboard_growth(store: &str) -> (i64, Value) {
+    let mock = common::MockProc::start(&[]);
+    let gw = common::GatewayProc::start_with_args(
+        Some(&mock.url()),
+        &["--store", store],
+        &[("TOKENSCOPE_REPORT_VALUE_BUDGET", "10000")],
+    );
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let pid = gw.child.id();
+    // Warm up (first connection, first store open), then measure from the settled RSS.
+    let (st, body) = rt.block_on(common::get(&format!(
+        "http://{}/api/dashboard/overview?range=5m",
+        gw.admin
+    )));
+    assert_eq!(st, 200, "{body}");
+    let (before, _) = rss_hwm_kb(pid);
+    let mut overview = Value::Null;
+    for page in ["overview", "performance", "cost"] {
+        let (st, body) = rt.block_on(common::get(&format!(
+            "http://{}/api/dashboard/{page}?range=7d",
+            gw.admin
+        )));
+        assert_eq!(st, 200, "{page}: {body}");
+        if page == "overview" {
+            overview = serde_json::from_str(&body).expect("json");
+        }
+    }
+    let (_, hwm) = rss_hwm_kb(pid);
+    (hwm - before, overview)
+}
+
+fn assert_dashboard_flat(kind: &str, now: i64, small: (i64, Value), big: (i64, Value)) {
+    let in_7d = |n: usize| -> u64 {
+        let until = small.1["until"].as_f64().expect("until") * 1e6;
+        records(n, now)
+            .iter()
+            .filter(|r| (r.created_at as f64) >= until - 7.0 * 86_400e6)
+            .count() as u64
+    };
+    assert_eq!(small.1["summary"]["requests"], in_7d(N), "{kind}: {}", small.1);
+    assert_eq!(big.1["summary"]["requests"], in_7d(10 * N), "{kind}");
+    assert_eq!(
+        big.1["slowest"].as_array().map(Vec::len),
+        Some(10),
+        "{kind}: the top 10"
+    );
+    eprintln!(
+        "{kind}: 7-day dashboard pages raised the gateway's peak RSS by {} KB at {N} rows, {} KB at {} rows",
+        small.0,
+        big.0,
+        10 * N
+    );
+    assert!(
+        big.0 <= small.0 + SLACK_KB,
+        "{kind}: the dashboard's memory grew with the rows: +{} KB at {N} rows, +{} KB at {} rows",
+        small.0,
+        big.0,
+        10 * N
+    );
+}
+
+#[test]
+fn dashboard_memory_is_flat_in_rows_on_sqlite() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let now = now_us();
+    let mut growth = Vec::new();
+    for n in [N, 10 * N] {
+        let db = dir.path().join(format!("d{n}.db"));
+        let mut s = tokenscope_store::SqliteStore::open(&db).expect("open");
+        for chunk in records(n, now).chunks(5_000) {
+            s.insert_batch(chunk).expect("insert");
+        }
+        drop(s);
+        growth.push(dashboard_growth(&db.to_string_lossy()));
+    }
+    let big = growth.pop().expect("big");
+    let small = growth.pop().expect("small");
+    assert_dashboard_flat("sqlite", now, small, big);
+}
+
+#[test]
+fn dashboard_memory_is_flat_in_rows_on_clickhouse() {
+    use tokenscope_clickhouse::testutil::{clickhouse_or_skip, ClickHouseServer};
+    if !clickhouse_or_skip() {
+        return;
+    }
+    let ch = ClickHouseServer::start().expect("start clickhouse");
+    let now = now_us();
+    let mut growth = Vec::new();
+    for n in [N, 10 * N] {
+        let url = ch.url(&format!("dash{n}"));
+        let store = tokenscope_clickhouse::ClickHouseStore::connect_url(&url).expect("connect");
+        store.migrate().expect("migrate");
+        for chunk in records(n, now).chunks(20_000) {
+            store.insert(chunk).expect("insert");
+        }
+        growth.push(dashboard_growth(&url));
+    }
+    let big = growth.pop().expect("big");
+    let small = growth.pop().expect("small");
+    assert_dashboard_flat("clickhouse", now, small, big);
 }

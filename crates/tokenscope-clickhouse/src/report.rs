@@ -42,7 +42,7 @@ use tokenscope_core::RequestRecord;
 use tokenscope_store::report::{filter_value, validate};
 use tokenscope_store::{
     finish_groups, mean_of_units, Dimension, FilterValue, GroupAgg, Quantiles, RecordReader,
-    ReportQuery, ReportRow, UsageAcc, UsageQuery, UsageRow, UsageSums,
+    ReportQuery, ReportRow, UnitSum, UsageAcc, UsageQuery, UsageRow, UsageSums,
 };
 use tokenscope_store::{ErrorClass, StoreError};
 
@@ -124,11 +124,20 @@ pub fn clickhouse_aggregate(q: &ReportQuery, table: &str) -> Result<String, Stor
 
 /// ` WHERE …`: the report's range and filters in ClickHouse's dialect.
 fn where_clause(q: &ReportQuery) -> Result<String, StoreError> {
-    let mut sql = format!(" WHERE created_at_us >= {}", q.since_us);
-    if let Some(until) = q.until_us {
+    where_range_filters(q.since_us, q.until_us, &q.filters)
+}
+
+/// ` WHERE …`: a `created_at` range and the report's filters ([`filter_value`]'s semantics).
+pub(crate) fn where_range_filters(
+    since_us: i64,
+    until_us: Option<i64>,
+    filters: &[(Dimension, String)],
+) -> Result<String, StoreError> {
+    let mut sql = format!(" WHERE created_at_us >= {since_us}");
+    if let Some(until) = until_us {
         sql.push_str(&format!(" AND created_at_us < {until}"));
     }
-    for (d, raw) in &q.filters {
+    for (d, raw) in filters {
         let c = d.column();
         match filter_value(*d, raw)? {
             FilterValue::Null => sql.push_str(&format!(" AND isNull({c})")),
@@ -266,7 +275,11 @@ pub fn clickhouse_usage(q: &UsageQuery, table: &str) -> Result<String, StoreErro
     let stored = "isNotNull(cost_usd) AND isFinite(assumeNotNull(cost_usd))";
     let tok = |c: &str| format!("toUInt64(ifNull({c}, 0))");
     let mut cols: Vec<String> = Vec::new();
-    let mut keys: Vec<String> = Vec::new();
+    let mut keys: Vec<String> = vec!["ts_bucket".to_owned()];
+    match q.interval_us {
+        Some(iv) => cols.push(format!("intDiv(created_at_us, {iv}) * {iv} AS ts_bucket")),
+        None => cols.push("toInt64(0) AS ts_bucket".to_owned()),
+    }
     for (i, d) in q.group_by.iter().enumerate() {
         cols.push(format!("toString({}) AS ts_d{i}", d.column()));
         keys.push(format!("ts_d{i}"));
@@ -287,14 +300,31 @@ pub fn clickhouse_usage(q: &UsageQuery, table: &str) -> Result<String, StoreErro
         tok("input_tokens")
     ));
     cols.push(format!("sumIf({}, isNull(cost_usd))", tok("output_tokens")));
+    // Engine state at arrival: count and 2⁻³² fixed-point sum (exact_sum_units) split hi/lo.
+    for c in ["engine_running", "engine_waiting", "engine_kv_usage"] {
+        let known = format!("isNotNull({c}) AND isFinite(assumeNotNull({c}))");
+        let units = format!("toInt64(floor(assumeNotNull({c}) * 4294967296 + 0.5))");
+        let hi = format!("intDiv({units}, toInt64(4294967296))");
+        let lo = format!("({units} - {hi} * toInt64(4294967296))");
+        cols.push(format!("countIf({known})"));
+        cols.push(format!("sumIf({hi}, {known})"));
+        cols.push(format!("sumIf({lo}, {known})"));
+    }
     let (a, b) = (q.window.since_us, q.window.until_us);
+    let mut filters = where_range_filters(a, Some(b), &q.filters)?;
+    // Daily partitions first (the part of the WHERE that prunes).
+    filters = filters.replacen(
+        " WHERE ",
+        &format!(
+            " WHERE toYYYYMMDD(created_at) >= {} AND toYYYYMMDD(created_at) <= {} AND ",
+            crate::store::utc_day(a),
+            crate::store::utc_day(b)
+        ),
+        1,
+    );
     Ok(format!(
-        "SELECT {} FROM {table} FINAL WHERE toYYYYMMDD(created_at) >= {} AND \
-         toYYYYMMDD(created_at) <= {} AND created_at_us >= {a} AND created_at_us < {b} \
-         GROUP BY {}",
+        "SELECT {} FROM {table} FINAL{filters} GROUP BY {}",
         cols.join(", "),
-        crate::store::utc_day(a),
-        crate::store::utc_day(b),
         keys.join(", ")
     ))
 }
@@ -302,9 +332,18 @@ pub fn clickhouse_usage(q: &UsageQuery, table: &str) -> Result<String, StoreErro
 /// Decodes one result row of [`clickhouse_usage`] for `q`.
 pub fn decode_usage(line: &[u8], q: &UsageQuery) -> Result<UsageRow, String> {
     let fields: Vec<&[u8]> = line.split(|b| *b == b'\t').collect();
+    let fields = fields.get(1..).ok_or("no bucket column")?;
+    let bucket = std::str::from_utf8(fields_bucket(line))
+        .ok()
+        .and_then(|b| b.parse::<i64>().ok())
+        .ok_or("column 0: not a bucket start")?;
     let n = q.group_by.len();
-    if fields.len() != n + 11 {
-        return Err(format!("expected {} columns, got {}", n + 11, fields.len()));
+    if fields.len() != n + 20 {
+        return Err(format!(
+            "expected {} columns, got {}",
+            n + 21,
+            fields.len() + 1
+        ));
     }
     let label = |i: usize| -> Option<String> {
         (fields[i] != b"\\N").then(|| {
@@ -326,7 +365,14 @@ pub fn decode_usage(line: &[u8], q: &UsageQuery) -> Result<UsageRow, String> {
         u64::try_from(v).map_err(|_| format!("column {i}: {v} out of range"))
     };
     let b = n + 1;
+    let unit_sum = |i: usize| -> Result<UnitSum, String> {
+        Ok(UnitSum {
+            n: uint(i)?,
+            units: int(i + 1)? * (1_i128 << 32) + int(i + 2)?,
+        })
+    };
     Ok(UsageRow {
+        bucket_start_us: q.interval_us.map(|_| bucket),
         labels: (0..n).map(label).collect(),
         model: label(n).unwrap_or_default(),
         sums: UsageSums {
@@ -339,8 +385,16 @@ pub fn decode_usage(line: &[u8], q: &UsageQuery) -> Result<UsageRow, String> {
             unpriced_input_tokens: uint(b + 7)?,
             unpriced_cached_within_input: uint(b + 8)?,
             unpriced_output_tokens: uint(b + 9)?,
+            engine_running: unit_sum(b + 10)?,
+            engine_waiting: unit_sum(b + 13)?,
+            engine_kv_usage: unit_sum(b + 16)?,
         },
     })
+}
+
+/// The first tab-separated field of a line.
+fn fields_bucket(line: &[u8]) -> &[u8] {
+    line.split(|b| *b == b'\t').next().unwrap_or_default()
 }
 
 /// A ClickHouse string literal: single-quoted, with `\` and `'` escaped.
@@ -373,6 +427,15 @@ impl RecordReader for ClickHouseStore {
 
     fn usage(&self, q: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
         ClickHouseStore::usage(self, q)
+    }
+
+    fn slowest(
+        &self,
+        window: Window,
+        filters: &[(Dimension, String)],
+        limit: usize,
+    ) -> Result<Vec<RequestRecord>, StoreError> {
+        ClickHouseStore::slowest(self, window.since_us, window.until_us, filters, limit)
     }
 
     fn kind(&self) -> &'static str {

@@ -595,6 +595,31 @@ impl ClickHouseStore {
             .collect()
     }
 
+    /// The `limit` records (newest version, `FINAL`) of `[since_us, until_us)` passing
+    /// `filters` with the longest end to end, slowest first, ties by `request_id` — the same
+    /// records in the same order as `SqliteStore::slowest`.
+    pub fn slowest(
+        &self,
+        since_us: i64,
+        until_us: i64,
+        filters: &[(tokenscope_core::query::Dimension, String)],
+        limit: usize,
+    ) -> Result<Vec<RequestRecord>, tokenscope_store::StoreError> {
+        let filters = crate::report::where_range_filters(since_us, Some(until_us), filters)?;
+        let sql = format!(
+            "SELECT {} FROM {} FINAL{filters} AND toYYYYMMDD(created_at) >= {} AND toYYYYMMDD(created_at) <= {} ORDER BY total_duration_ms DESC, request_id LIMIT {limit}",
+            INSERT_COLUMNS.join(", "),
+            self.inner.cfg.table(),
+            utc_day(since_us),
+            utc_day(until_us),
+        );
+        let rows = self.fetch_rows(sql)?;
+        Ok(rows
+            .into_iter()
+            .map(|row| row.into_record().map(|(r, _version)| r))
+            .collect::<Result<Vec<_>, _>>()?)
+    }
+
     /// Every row (newest version, `FINAL`) whose `trace_id` is one of `trace_ids` and which was
     /// created at or after `since_us` (epoch µs; bounds the scan to recent daily partitions).
     pub fn rows_by_trace(

@@ -75,6 +75,7 @@ on_both!(
     report_matches_the_embedded_store,
     records_and_traces_read_back_like_the_embedded_store,
     usage_sums_match_the_embedded_store,
+    slowest_records_match_the_embedded_store,
     one_claim_wins_an_alert_incident,
     v2_table_gains_client_request_id_and_keeps_its_rows,
 );
@@ -876,6 +877,9 @@ fn usage_sums_match_the_embedded_store(ch: &dyn Engine) {
             r.cached_tokens = (i % 2 == 0).then_some(i * 7 % 5_000); // sometimes > input
             r.output_tokens = (i % 10 != 0).then_some(i % 700);
             r.cost_usd = (i % 3 == 1).then_some((i % 97) as f64 * 0.000_137 + 1e-9);
+            r.engine_running = (i % 6 != 0).then_some((i % 13) as f64);
+            r.engine_waiting = (i % 5 != 0).then_some((i % 4) as f64 * 0.5);
+            r.engine_kv_usage = (i % 8 != 0).then_some((i % 101) as f64 / 100.0 + 1e-7);
             r
         })
         .collect();
@@ -895,13 +899,90 @@ fn usage_sums_match_the_embedded_store(ch: &dyn Engine) {
         ),
         (Window::new(t0 - day, t0), vec![Dimension::User]),
     ] {
-        let q = UsageQuery {
-            window: w,
-            group_by: by,
-        };
+        let q = UsageQuery::new(w, by);
         let want = usage_of(&rows, &q).expect("records");
         assert_eq!(sqlite.usage(&q).expect("sqlite"), want, "{q:?}");
         assert_eq!(store.usage(&q).expect("clickhouse"), want, "{q:?}");
+    }
+    // The dashboard's queries: time buckets, filters (one selecting unset values), engine means.
+    for (interval_us, filters) in [
+        (Some(3_600_000_000i64), vec![]),
+        (
+            Some(7_200_000_000),
+            vec![(Dimension::Model, "c'\\x".to_owned())],
+        ),
+        (
+            None,
+            vec![
+                (
+                    Dimension::BusinessLine,
+                    tokenscope_core::query::NONE_LABEL.to_owned(),
+                ),
+                (Dimension::Tenant, "t".to_owned()),
+            ],
+        ),
+    ] {
+        let mut q = UsageQuery::new(Window::new(t0, t0 + 2 * day), vec![Dimension::User]);
+        q.interval_us = interval_us;
+        q.filters = filters;
+        let want = usage_of(&rows, &q).expect("records");
+        assert!(want.len() > 3, "{q:?}");
+        assert!(want.iter().any(|r| r.sums.engine_kv_usage.n > 0));
+        assert_eq!(sqlite.usage(&q).expect("sqlite"), want, "{q:?}");
+        assert_eq!(store.usage(&q).expect("clickhouse"), want, "{q:?}");
+    }
+}
+
+/// The dashboard's "slowest requests": the top-N by end to end (ties by request id) with the
+/// report's filters, the same records in the same order on both stores, a retried row once.
+fn slowest_records_match_the_embedded_store(ch: &dyn Engine) {
+    use tokenscope_core::query::{Dimension, Window, NONE_LABEL};
+    use tokenscope_store::{RecordReader, SqliteStore};
+    let store = connect(&ch.url("slow"));
+    let t0 = 1_704_067_200_000_000i64;
+    let rows: Vec<RequestRecord> = (0..400u64)
+        .map(|i| {
+            let mut r = sparse_record(&format!("s{i:03}"));
+            r.created_at = t0 + i as i64 * 997_000_000;
+            r.model = ["a", "b"][(i % 2) as usize].to_owned();
+            r.business_line = (i % 3 != 0).then(|| format!("bl{}", i % 4));
+            r.total_duration_ms = ((i * 37) % 50) as f64 * 10.0; // many ties
+            r
+        })
+        .collect();
+    store.insert(&rows).expect("insert");
+    store.insert(&rows[..50]).expect("retried");
+    let mut sqlite = SqliteStore::open_in_memory().expect("sqlite");
+    sqlite.insert_batch(&rows).expect("sqlite insert");
+    let w = Window::new(t0 + 10_000_000_000, t0 + 300_000_000_000);
+    for filters in [
+        vec![],
+        vec![(Dimension::Model, "b".to_owned())],
+        vec![(Dimension::BusinessLine, NONE_LABEL.to_owned())],
+    ] {
+        let mut want: Vec<&RequestRecord> = rows
+            .iter()
+            .filter(|r| w.contains(r.created_at))
+            .filter(|r| {
+                filters.iter().all(|(d, v)| match d {
+                    Dimension::Model => r.model == *v,
+                    _ => r.business_line.is_none(),
+                })
+            })
+            .collect();
+        want.sort_by(|a, b| {
+            b.total_duration_ms
+                .total_cmp(&a.total_duration_ms)
+                .then_with(|| a.request_id.cmp(&b.request_id))
+        });
+        let want: Vec<String> = want.iter().take(10).map(|r| r.request_id.clone()).collect();
+        let ids = |v: Vec<RequestRecord>| -> Vec<String> {
+            v.into_iter().map(|r| r.request_id).collect()
+        };
+        let lite = RecordReader::slowest(&sqlite, w, &filters, 10).expect("sqlite");
+        let click = RecordReader::slowest(&store, w, &filters, 10).expect("clickhouse");
+        assert_eq!(lite, click, "{filters:?}");
+        assert_eq!(ids(lite), want, "{filters:?}");
     }
 }
 

@@ -16,12 +16,17 @@
 //! * The caller's memory is one row per (group, model): the embedded store streams its rows
 //!   through [`UsageAcc`] (one pass, the needed columns only); ClickHouse aggregates in SQL
 //!   (`tokenscope_clickhouse::clickhouse_usage`).
-//! * Rows are ordered by labels then model (byte order, `None` last), so output is
-//!   deterministic.
+//! * Rows are ordered by time bucket (with [`UsageQuery::interval_us`]), then labels, then
+//!   model (byte order, `None` last), so output is deterministic.
+//! * [`UsageQuery::filters`] are exact matches on usage dimensions ([`NONE_LABEL`] selects
+//!   an unset value); a time bucket is `⌊created_at / interval⌋ · interval` (epoch-aligned,
+//!   as the report's).
+//! * The engine-state sums (running, waiting, KV usage at arrival) are fixed-point
+//!   ([`exact_sum_units`], 2⁻³²), so their means are the same bits on every store too.
 
 use std::collections::BTreeMap;
 
-use crate::query::{Dimension, InvalidQuery, Window};
+use crate::query::{exact_sum_units, Dimension, InvalidQuery, Window, NONE_LABEL};
 use crate::RequestRecord;
 
 /// `2⁴⁴`: the fixed-point scale of cost sums.
@@ -34,14 +39,44 @@ pub fn cost_units(x: f64) -> f64 {
     (x * COST_SCALE + 0.5).floor()
 }
 
-/// What to sum: the records of `window`, grouped by `group_by` (each one of
-/// [`USAGE_DIMENSIONS`], no repeats) and by model.
+/// What to sum: the records of `window` passing `filters`, grouped by time bucket (with an
+/// interval), by `group_by` (each one of [`USAGE_DIMENSIONS`], no repeats) and by model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UsageQuery {
     /// The window.
     pub window: Window,
     /// Grouping dimensions, in order (may be empty: one group per model).
     pub group_by: Vec<Dimension>,
+    /// Time-bucket length in µs (epoch-aligned); `None` = the window is one bucket.
+    pub interval_us: Option<i64>,
+    /// Exact-match filters on usage dimensions, ANDed ([`NONE_LABEL`] selects unset).
+    pub filters: Vec<(Dimension, String)>,
+}
+
+impl UsageQuery {
+    /// The records of `window` grouped by `group_by` and model: no interval, no filter.
+    pub fn new(window: Window, group_by: Vec<Dimension>) -> Self {
+        Self {
+            window,
+            group_by,
+            interval_us: None,
+            filters: Vec::new(),
+        }
+    }
+
+    /// Whether `r` passes the filters (the window is checked by the caller).
+    pub fn matches(&self, r: &RequestRecord) -> bool {
+        self.filters.iter().all(|(d, v)| match usage_label(*d, r) {
+            Some(x) => x == v,
+            None => v == NONE_LABEL,
+        })
+    }
+
+    /// The bucket start of a `created_at` (µs), `None` without an interval.
+    pub fn bucket_of(&self, created_at: i64) -> Option<i64> {
+        self.interval_us
+            .map(|iv| created_at.div_euclid(iv.max(1)) * iv.max(1))
+    }
 }
 
 /// The dimensions a usage query may group by (the text columns that say who or what spent).
@@ -68,6 +103,18 @@ pub fn validate_usage(q: &UsageQuery) -> Result<(), InvalidQuery> {
             return Err(InvalidQuery(format!("usage: {d} twice")));
         }
     }
+    for (d, _) in &q.filters {
+        if !USAGE_DIMENSIONS.contains(d) {
+            return Err(InvalidQuery(format!(
+                "usage: cannot filter on {d} (use business_line, tenant, user, model or request_type)"
+            )));
+        }
+    }
+    if q.interval_us.is_some_and(|iv| iv <= 0) {
+        return Err(InvalidQuery(
+            "usage: interval must be at least 1 µs".to_owned(),
+        ));
+    }
     Ok(())
 }
 
@@ -92,6 +139,43 @@ pub struct UsageSums {
     pub unpriced_cached_within_input: u64,
     /// Of those: Σ output tokens.
     pub unpriced_output_tokens: u64,
+    /// Requests running in the engine at arrival (`engine_running`).
+    pub engine_running: UnitSum,
+    /// Requests waiting in the engine at arrival (`engine_waiting`).
+    pub engine_waiting: UnitSum,
+    /// KV-cache usage at arrival, 0–1 (`engine_kv_usage`).
+    pub engine_kv_usage: UnitSum,
+}
+
+/// An order-independent sum of the known values of one column: their count and the sum of
+/// their [`exact_sum_units`] (2⁻³²), so the mean is the same bits on every store.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct UnitSum {
+    /// Values (rows where the column is known and finite).
+    pub n: u64,
+    /// Σ [`exact_sum_units`] of the values.
+    pub units: i128,
+}
+
+impl UnitSum {
+    /// Adds a value (unknown or not finite: skipped).
+    pub fn add(&mut self, v: Option<f64>) {
+        if let Some(x) = v.filter(|x| x.is_finite()) {
+            self.n += 1;
+            self.units += exact_sum_units(x) as i128;
+        }
+    }
+
+    /// Adds another sum.
+    pub fn merge(&mut self, o: UnitSum) {
+        self.n += o.n;
+        self.units += o.units;
+    }
+
+    /// The mean, `None` without a value.
+    pub fn mean(&self) -> Option<f64> {
+        (self.n > 0).then(|| self.units as f64 / 4_294_967_296.0 / self.n as f64)
+    }
 }
 
 impl UsageSums {
@@ -118,6 +202,9 @@ impl UsageSums {
                 self.unpriced_output_tokens = self.unpriced_output_tokens.saturating_add(output);
             }
         }
+        self.engine_running.add(r.engine_running);
+        self.engine_waiting.add(r.engine_waiting);
+        self.engine_kv_usage.add(r.engine_kv_usage);
     }
 
     /// Adds another group's sums.
@@ -137,6 +224,9 @@ impl UsageSums {
         self.unpriced_output_tokens = self
             .unpriced_output_tokens
             .saturating_add(o.unpriced_output_tokens);
+        self.engine_running.merge(o.engine_running);
+        self.engine_waiting.merge(o.engine_waiting);
+        self.engine_kv_usage.merge(o.engine_kv_usage);
     }
 
     /// Σ stored `cost_usd` (from the fixed-point sum).
@@ -145,9 +235,11 @@ impl UsageSums {
     }
 }
 
-/// One (group, model) of a usage query.
+/// One (bucket, group, model) of a usage query.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UsageRow {
+    /// Start of the time bucket (epoch µs), when the query has an interval.
+    pub bucket_start_us: Option<i64>,
     /// Value per `group_by` dimension, in order (`None` when unset).
     pub labels: Vec<Option<String>>,
     /// The model.
@@ -168,14 +260,37 @@ pub fn usage_label(d: Dimension, r: &RequestRecord) -> Option<&str> {
     }
 }
 
-/// Sort key: labels with `None` last, then the model.
-type Key = (Vec<(bool, String)>, String);
+/// Sort key: bucket, labels with `None` last, then the model.
+type Key = (Option<i64>, Vec<(bool, String)>, String);
 
 /// Accumulates usage rows in one pass (per-group state only).
 #[derive(Debug, Default)]
 pub struct UsageAcc {
     by: Vec<Dimension>,
     groups: BTreeMap<Key, UsageSums>,
+}
+
+/// One stored row's values as a store's scan reads them (see [`UsageAcc::add_values`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UsageValues<'a> {
+    /// Bucket start (epoch µs), with an interval.
+    pub bucket_start_us: Option<i64>,
+    /// The model.
+    pub model: &'a str,
+    /// `input_tokens`.
+    pub input: Option<u64>,
+    /// `cached_tokens`.
+    pub cached: Option<u64>,
+    /// `output_tokens`.
+    pub output: Option<u64>,
+    /// `cost_usd`.
+    pub cost_usd: Option<f64>,
+    /// `engine_running`.
+    pub engine_running: Option<f64>,
+    /// `engine_waiting`.
+    pub engine_waiting: Option<f64>,
+    /// `engine_kv_usage`.
+    pub engine_kv_usage: Option<f64>,
 }
 
 impl UsageAcc {
@@ -188,8 +303,9 @@ impl UsageAcc {
         })
     }
 
-    /// Adds a record (the caller filters the window).
-    pub fn add(&mut self, r: &RequestRecord) {
+    /// Adds a record in the bucket `bucket_start_us` (the caller checks the window and the
+    /// filters).
+    pub fn add(&mut self, r: &RequestRecord, bucket_start_us: Option<i64>) {
         let key: Vec<(bool, String)> = self
             .by
             .iter()
@@ -198,7 +314,7 @@ impl UsageAcc {
                 None => (true, String::new()),
             })
             .collect();
-        self.add_sums(key, r.model.clone(), |s| s.add(r));
+        self.add_sums(bucket_start_us, key, r.model.clone(), |s| s.add(r));
     }
 
     /// The grouping dimensions.
@@ -206,17 +322,9 @@ impl UsageAcc {
         &self.by
     }
 
-    /// Adds one row's values: `labels` per grouping dimension, then the model and the token
-    /// and cost columns (what a store's scan reads).
-    pub fn add_values(
-        &mut self,
-        labels: &[Option<&str>],
-        model: &str,
-        input: Option<u64>,
-        cached: Option<u64>,
-        output: Option<u64>,
-        cost_usd: Option<f64>,
-    ) {
+    /// Adds one row's values: `labels` per grouping dimension, then the columns a store's
+    /// scan reads.
+    pub fn add_values(&mut self, labels: &[Option<&str>], v: UsageValues<'_>) {
         let key: Vec<(bool, String)> = labels
             .iter()
             .map(|l| match l {
@@ -225,13 +333,16 @@ impl UsageAcc {
             })
             .collect();
         let r = RequestRecord {
-            input_tokens: input,
-            cached_tokens: cached,
-            output_tokens: output,
-            cost_usd,
+            input_tokens: v.input,
+            cached_tokens: v.cached,
+            output_tokens: v.output,
+            cost_usd: v.cost_usd,
+            engine_running: v.engine_running,
+            engine_waiting: v.engine_waiting,
+            engine_kv_usage: v.engine_kv_usage,
             ..RequestRecord::default()
         };
-        self.add_sums(key, model.to_owned(), |s| s.add(&r));
+        self.add_sums(v.bucket_start_us, key, v.model.to_owned(), |s| s.add(&r));
     }
 
     /// Adds pre-aggregated sums for labels and model.
@@ -244,23 +355,25 @@ impl UsageAcc {
                 None => (true, String::new()),
             })
             .collect();
-        self.add_sums(key, row.model, |s| s.merge(&row.sums));
+        self.add_sums(row.bucket_start_us, key, row.model, |s| s.merge(&row.sums));
     }
 
     fn add_sums(
         &mut self,
+        bucket: Option<i64>,
         key: Vec<(bool, String)>,
         model: String,
         f: impl FnOnce(&mut UsageSums),
     ) {
-        f(self.groups.entry((key, model)).or_default());
+        f(self.groups.entry((bucket, key, model)).or_default());
     }
 
     /// The rows, in order.
     pub fn finish(self) -> Vec<UsageRow> {
         self.groups
             .into_iter()
-            .map(|((key, model), sums)| UsageRow {
+            .map(|((bucket_start_us, key, model), sums)| UsageRow {
+                bucket_start_us,
                 labels: key
                     .into_iter()
                     .map(|(none, v)| (!none).then_some(v))
@@ -275,11 +388,10 @@ impl UsageAcc {
 /// Usage rows of `records` (those inside the window) — what every store returns for them.
 pub fn usage_of(records: &[RequestRecord], q: &UsageQuery) -> Result<Vec<UsageRow>, InvalidQuery> {
     let mut acc = UsageAcc::new(q)?;
-    for r in records
-        .iter()
-        .filter(|r| r.created_at >= q.window.since_us && r.created_at < q.window.until_us)
-    {
-        acc.add(r);
+    for r in records.iter().filter(|r| {
+        r.created_at >= q.window.since_us && r.created_at < q.window.until_us && q.matches(r)
+    }) {
+        acc.add(r, q.bucket_of(r.created_at));
     }
     Ok(acc.finish())
 }
@@ -304,10 +416,7 @@ mod tests {
 
     #[test]
     fn sums_partition_and_order() {
-        let q = UsageQuery {
-            window: Window::new(0, 100),
-            group_by: vec![Dimension::BusinessLine],
-        };
+        let q = UsageQuery::new(Window::new(0, 100), vec![Dimension::BusinessLine]);
         let mut late = rec("z", Some("a"), "m", None);
         late.created_at = 100;
         let recs = [
@@ -352,22 +461,54 @@ mod tests {
     }
 
     #[test]
+    fn buckets_filters_and_engine_means() {
+        let mut recs: Vec<RequestRecord> = (0..6)
+            .map(|i| {
+                let mut r = rec(
+                    &i.to_string(),
+                    Some(if i % 2 == 0 { "a" } else { "b" }),
+                    "m",
+                    None,
+                );
+                r.created_at = i * 10;
+                r.engine_running = Some(i as f64);
+                r.engine_kv_usage = (i < 3).then_some(0.25);
+                r
+            })
+            .collect();
+        recs[5].business_line = None;
+        let mut q = UsageQuery::new(Window::new(0, 60), vec![]);
+        q.interval_us = Some(20);
+        q.filters.push((Dimension::BusinessLine, "a".into()));
+        let rows = usage_of(&recs, &q).expect("usage");
+        // a: created 0, 20, 40 → one per bucket.
+        let buckets: Vec<Option<i64>> = rows.iter().map(|r| r.bucket_start_us).collect();
+        assert_eq!(buckets, [Some(0), Some(20), Some(40)]);
+        assert_eq!(rows[1].sums.engine_running.mean(), Some(2.0));
+        assert_eq!(rows[2].sums.engine_kv_usage.mean(), None);
+        q.filters = vec![(Dimension::BusinessLine, NONE_LABEL.into())];
+        q.interval_us = None;
+        let rows = usage_of(&recs, &q).expect("usage");
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].sums.requests, 1);
+        assert_eq!(rows[0].sums.engine_running.mean(), Some(5.0));
+    }
+
+    #[test]
     fn bad_queries() {
         let w = Window::new(0, 10);
         for by in [
             vec![Dimension::Stream],
             vec![Dimension::User, Dimension::User],
         ] {
-            assert!(validate_usage(&UsageQuery {
-                window: w,
-                group_by: by
-            })
-            .is_err());
+            assert!(validate_usage(&UsageQuery::new(w, by)).is_err());
         }
-        assert!(validate_usage(&UsageQuery {
-            window: Window::new(5, 5),
-            group_by: vec![]
-        })
-        .is_err());
+        assert!(validate_usage(&UsageQuery::new(Window::new(5, 5), vec![])).is_err());
+        let mut q = UsageQuery::new(w, vec![]);
+        q.filters.push((Dimension::Stream, "true".into()));
+        assert!(validate_usage(&q).is_err());
+        let mut q = UsageQuery::new(w, vec![]);
+        q.interval_us = Some(0);
+        assert!(validate_usage(&q).is_err());
     }
 }

@@ -448,10 +448,10 @@ pub(crate) fn line_usage(
     prices: &PriceTable,
 ) -> Result<HashMap<String, (u64, f64)>, String> {
     let rows = reader
-        .usage(&tokenscope_core::usage::UsageQuery {
-            window: tokenscope_core::query::Window::new(since, until),
-            group_by: vec![tokenscope_core::query::Dimension::BusinessLine],
-        })
+        .usage(&tokenscope_core::usage::UsageQuery::new(
+            tokenscope_core::query::Window::new(since, until),
+            vec![tokenscope_core::query::Dimension::BusinessLine],
+        ))
         .map_err(|e| e.to_string())?;
     let mut per_line: HashMap<String, (u64, f64)> = HashMap::new();
     for row in &rows {

@@ -63,5 +63,5 @@ pub use report::{
 pub use spool::{Append, Spool, SpoolConfig, SpoolEntry, SpoolError};
 pub use sqlite::{FileChange, SqliteStore};
 pub use tokenscope_core::usage::{
-    self, UsageAcc, UsageQuery, UsageRow, UsageSums, USAGE_DIMENSIONS,
+    self, UnitSum, UsageAcc, UsageQuery, UsageRow, UsageSums, UsageValues, USAGE_DIMENSIONS,
 };

@@ -513,6 +513,18 @@ impl Recorder {
         }
     }
 
+    /// Asks the writer to flush everything queued before this call and waits at most
+    /// `timeout` for it to be written, spooled or held ([`PipelineHandle::flush`]'s meaning).
+    /// `false` when the queue is full or closed, or the time ran out. Blocking (never on the
+    /// request path: the dashboard calls it from a blocking thread before it reads the store).
+    pub fn flush_within(&self, timeout: Duration) -> bool {
+        let (ack_tx, ack_rx) = mpsc::sync_channel(1);
+        if self.tx.try_send(Msg::Flush(ack_tx)).is_err() {
+            return false;
+        }
+        ack_rx.recv_timeout(timeout).is_ok()
+    }
+
     /// Engine updates accepted into the queue so far (monotonic).
     pub fn updates_queued(&self) -> u64 {
         self.shared.updates_enqueued.load(Ordering::Relaxed)

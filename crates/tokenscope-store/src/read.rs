@@ -12,12 +12,13 @@
 //!   then `request_id` — so the same records give the same rows, in the same order, on every
 //!   store.
 //! * [`RecordReader::usage`] gives [`crate::usage`]'s rows, bit for bit, on every store.
+//! * [`RecordReader::slowest`] gives the same records in the same order on every store.
 //! * [`RecordReader::report`] gives the result of [`crate::report::run_report`]'s semantics,
 //!   bit for bit, on every store (same [`Scanner`](crate::Scanner)).
 //! * The trait is object-safe and its implementations are `Send` (a reader may be opened on
 //!   one thread and used on a blocking worker).
 
-use tokenscope_core::query::Window;
+use tokenscope_core::query::{Dimension, Window};
 use tokenscope_core::RequestRecord;
 
 use crate::report::{run_report, ReportQuery, ReportRow};
@@ -36,6 +37,16 @@ pub trait RecordReader: Send {
     /// by the store: the caller holds one row per group.
     fn usage(&self, q: &UsageQuery) -> Result<Vec<UsageRow>, StoreError>;
 
+    /// The `limit` records of `window` passing `filters` (the report's filter semantics)
+    /// with the longest end to end, slowest first, ties by `request_id`: the caller holds
+    /// `limit` records, whatever the window's row count.
+    fn slowest(
+        &self,
+        window: Window,
+        filters: &[(Dimension, String)],
+        limit: usize,
+    ) -> Result<Vec<RequestRecord>, StoreError>;
+
     /// A short name of the store kind (`sqlite`, `clickhouse`), for logs.
     fn kind(&self) -> &'static str;
 }
@@ -51,6 +62,15 @@ impl RecordReader for SqliteStore {
 
     fn usage(&self, q: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
         SqliteStore::usage(self, q)
+    }
+
+    fn slowest(
+        &self,
+        window: Window,
+        filters: &[(Dimension, String)],
+        limit: usize,
+    ) -> Result<Vec<RequestRecord>, StoreError> {
+        SqliteStore::slowest(self, window, filters, limit)
     }
 
     fn kind(&self) -> &'static str {

@@ -705,7 +705,18 @@ fn report_sql(
         sql.push_str(" AND created_at < ?");
         params.push(until.into());
     }
-    for (d, raw) in &q.filters {
+    push_filters(&q.filters, &mut sql, &mut params)?;
+    Ok((sql, params, fixed))
+}
+
+/// Appends ` AND …` for each filter ([`filter_value`]'s semantics) to a SQLite `WHERE`, with
+/// its parameters.
+pub(crate) fn push_filters(
+    filters: &[(Dimension, String)],
+    sql: &mut String,
+    params: &mut Vec<rusqlite::types::Value>,
+) -> Result<(), StoreError> {
+    for (d, raw) in filters {
         match filter_value(*d, raw)? {
             FilterValue::Null => sql.push_str(&format!(" AND {} IS NULL", d.column())),
             FilterValue::Text(s) => {
@@ -729,7 +740,7 @@ fn report_sql(
             }
         }
     }
-    Ok((sql, params, fixed))
+    Ok(())
 }
 
 /// One scan's accumulators: group keys are interned ids, local to this scan.

@@ -744,6 +744,31 @@ impl SqliteStore {
         Ok(rows.collect::<Result<Vec<_>, _>>()?)
     }
 
+    /// The `limit` records of `window` passing `filters` (the report's semantics) with the
+    /// longest end to end, slowest first, ties by `request_id` — the dashboard's "slowest
+    /// requests". One scan of the window's index range; SQLite keeps only the top `limit`.
+    pub fn slowest(
+        &self,
+        window: tokenscope_core::query::Window,
+        filters: &[(tokenscope_core::query::Dimension, String)],
+        limit: usize,
+    ) -> Result<Vec<RequestRecord>, StoreError> {
+        lean(&self.conn, || {
+            let mut sql = format!(
+                "SELECT {} FROM {TABLE} WHERE created_at >= ? AND created_at < ?",
+                COLUMNS.join(", ")
+            );
+            let mut params: Vec<rusqlite::types::Value> =
+                vec![window.since_us.into(), window.until_us.into()];
+            crate::report::push_filters(filters, &mut sql, &mut params)?;
+            sql.push_str(" ORDER BY total_duration_ms DESC, request_id LIMIT ?");
+            params.push(i64::try_from(limit).unwrap_or(i64::MAX).into());
+            let mut stmt = self.conn.prepare_cached(&sql)?;
+            let rows = stmt.query_map(rusqlite::params_from_iter(params), record_from_row)?;
+            Ok(rows.collect::<Result<Vec<_>, _>>()?)
+        })
+    }
+
     /// Token and cost sums per (group, model) of a window (see [`crate::usage`]): one pass
     /// over the window's index range reading only the needed columns, per-group state only.
     /// The scan runs without the read-only connection's memory map and with a small page
@@ -755,8 +780,11 @@ impl SqliteStore {
 
     fn usage_scan(&self, q: &UsageQuery) -> Result<Vec<UsageRow>, StoreError> {
         let mut acc = UsageAcc::new(q).map_err(|e| StoreError::InvalidQuery(e.0))?;
-        let mut sql =
-            String::from("SELECT model, input_tokens, cached_tokens, output_tokens, cost_usd");
+        let mut sql = String::from(
+            "SELECT model, input_tokens, cached_tokens, output_tokens, cost_usd, created_at, \
+             engine_running, engine_waiting, engine_kv_usage",
+        );
+        const FIXED: usize = 9;
         for d in &q.group_by {
             sql.push_str(", ");
             sql.push_str(d.column());
@@ -764,24 +792,41 @@ impl SqliteStore {
         sql.push_str(&format!(
             " FROM {TABLE} WHERE created_at >= ?1 AND created_at < ?2"
         ));
+        let mut params: Vec<rusqlite::types::Value> =
+            vec![q.window.since_us.into(), q.window.until_us.into()];
+        for (d, v) in &q.filters {
+            if v == tokenscope_core::query::NONE_LABEL {
+                sql.push_str(&format!(" AND {} IS NULL", d.column()));
+            } else {
+                sql.push_str(&format!(" AND {} = ?", d.column()));
+                params.push(v.clone().into());
+            }
+        }
         let mut stmt = self.conn.prepare_cached(&sql)?;
-        let mut rows = stmt.query([q.window.since_us, q.window.until_us])?;
+        let mut rows = stmt.query(rusqlite::params_from_iter(params))?;
         let n = q.group_by.len();
         let mut labels: Vec<Option<String>> = vec![None; n];
         let tokens = |v: Option<i64>| v.map(|t| u64::try_from(t).unwrap_or(0));
         while let Some(row) = rows.next()? {
             for (i, slot) in labels.iter_mut().enumerate() {
-                *slot = row.get::<_, Option<String>>(5 + i)?;
+                *slot = row.get::<_, Option<String>>(FIXED + i)?;
             }
             let refs: Vec<Option<&str>> = labels.iter().map(|l| l.as_deref()).collect();
             let model: String = row.get(0)?;
+            let created_at: i64 = row.get(5)?;
             acc.add_values(
                 &refs,
-                &model,
-                tokens(row.get(1)?),
-                tokens(row.get(2)?),
-                tokens(row.get(3)?),
-                row.get(4)?,
+                tokenscope_core::usage::UsageValues {
+                    bucket_start_us: q.bucket_of(created_at),
+                    model: &model,
+                    input: tokens(row.get(1)?),
+                    cached: tokens(row.get(2)?),
+                    output: tokens(row.get(3)?),
+                    cost_usd: row.get(4)?,
+                    engine_running: row.get(6)?,
+                    engine_waiting: row.get(7)?,
+                    engine_kv_usage: row.get(8)?,
+                },
             );
         }
         Ok(acc.finish())

@@ -1,13 +1,17 @@
-//! The numbers of the built-in dashboard: pure functions from a window's records to the JSON
-//! of each page (no I/O, no clock: the caller passes the window).
+//! The numbers of the built-in dashboard: each page is built from the store's own aggregates
+//! — [`RecordReader::report`] (exact percentiles, means, counts, token sums; with an interval
+//! for the series), [`RecordReader::usage`] (cost and engine-state sums) and
+//! [`RecordReader::slowest`] (the top 10) — so the gateway holds per-group and per-bucket
+//! state only, never a window's rows (no clock here: the caller passes the window).
 //!
 //! Invariants:
 //! * A record belongs to the window `[since, until)` by its `created_at` (request start, Unix
-//!   µs), and to the time bucket `⌊(created_at − since) / step⌋`; the buckets tile the window.
-//! * Percentiles are exact nearest-rank over the records that have the value
-//!   ([`tokenscope_core::query::nearest_rank`], the definition of `tokenscope report`); means and
-//!   rates are plain sums over the same records. A bucket or summary without a value is `null`,
-//!   never 0.
+//!   µs), and to the time bucket `⌊created_at / step⌋` (epoch-aligned; the window's ends are
+//!   whole steps, so the buckets tile it).
+//! * Percentiles are exact nearest-rank over the records that have the value (the definition
+//!   of `tokenscope report`, computed by the store: ClickHouse SQL or the embedded store's
+//!   bounded scan); means are the report's order-independent means. A bucket or summary
+//!   without a value is `null`, never 0.
 //! * Rates are per second of the window (or bucket), not of the span the records happen to
 //!   cover: 60 requests in a 1 h window is 0.0167 req/s.
 //! * Filters (model, request type, business line) are exact matches; the options offered for
@@ -15,8 +19,10 @@
 
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
-use tokenscope_core::query::{nearest_rank, Window};
+use tokenscope_core::query::{Dimension, Window};
+use tokenscope_core::usage::{UsageQuery, UsageRow, UsageSums};
 use tokenscope_core::{InputBucket, RequestRecord};
+use tokenscope_store::{RecordReader, ReportQuery, ReportRow, StoreError};
 
 /// A dashboard time range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -80,17 +86,16 @@ pub struct Filters {
 }
 
 impl Filters {
-    /// Whether `r` passes every filter.
-    pub fn matches(&self, r: &RequestRecord) -> bool {
-        self.model.as_deref().is_none_or(|m| r.model == m)
-            && self
-                .request_type
-                .as_deref()
-                .is_none_or(|t| r.request_type == t)
-            && self
-                .business_line
-                .as_deref()
-                .is_none_or(|b| r.business_line.as_deref() == Some(b))
+    /// The filters as the store's exact-match filters.
+    pub fn to_store(&self) -> Vec<(Dimension, String)> {
+        [
+            (Dimension::Model, &self.model),
+            (Dimension::RequestType, &self.request_type),
+            (Dimension::BusinessLine, &self.business_line),
+        ]
+        .into_iter()
+        .filter_map(|(d, v)| v.clone().map(|v| (d, v)))
+        .collect()
     }
 }
 
@@ -132,8 +137,10 @@ impl PageWindow {
         (self.span.len_us() / self.step_us).max(1) as usize
     }
 
-    fn bucket(&self, created_at: i64) -> usize {
-        ((created_at - self.span.since_us) / self.step_us) as usize
+    /// The slot of a bucket start in the series (`None` outside the window).
+    fn slot(&self, bucket_start_us: i64) -> Option<usize> {
+        let i = (bucket_start_us - self.span.since_us).div_euclid(self.step_us);
+        usize::try_from(i).ok().filter(|i| *i < self.buckets())
     }
 
     /// Bucket start times, Unix seconds.
@@ -156,13 +163,11 @@ pub struct Quantiles {
 }
 
 impl Quantiles {
-    fn of(mut values: Vec<f64>) -> Self {
-        values.sort_by(f64::total_cmp);
-        let q = |p| nearest_rank(&values, p);
+    fn of(q: &tokenscope_store::Quantiles) -> Self {
         Quantiles {
-            p50: q(0.50),
-            p95: q(0.95),
-            p99: q(0.99),
+            p50: q.p50,
+            p95: q.p95,
+            p99: q.p99,
         }
     }
 }
@@ -178,22 +183,30 @@ pub struct Options {
     pub business_lines: Vec<String>,
 }
 
-fn options(records: &[&RequestRecord]) -> Options {
+/// The filter menus: the distinct models, request types and business lines of the
+/// unfiltered window (one usage query: one row per combination).
+fn options(reader: &dyn RecordReader, w: &PageWindow) -> Result<Options, StoreError> {
+    let rows = reader.usage(&UsageQuery::new(
+        w.span,
+        vec![Dimension::RequestType, Dimension::BusinessLine],
+    ))?;
     let mut m = BTreeSet::new();
     let mut t = BTreeSet::new();
     let mut b = BTreeSet::new();
-    for r in records {
-        m.insert(r.model.clone());
-        t.insert(r.request_type.clone());
-        if let Some(x) = &r.business_line {
-            b.insert(x.clone());
+    for r in rows {
+        m.insert(r.model);
+        if let Some(x) = r.labels.first().cloned().flatten() {
+            t.insert(x);
+        }
+        if let Some(x) = r.labels.get(1).cloned().flatten() {
+            b.insert(x);
         }
     }
-    Options {
+    Ok(Options {
         models: m.into_iter().collect(),
         request_types: t.into_iter().collect(),
         business_lines: b.into_iter().collect(),
-    }
+    })
 }
 
 /// What every page's JSON starts with.
@@ -213,6 +226,10 @@ pub struct Frame {
     pub filters: Filters,
     /// Values offered by the filter menus.
     pub options: Options,
+    /// Records this gateway finished that the store did not hold yet when the page was read
+    /// (queued, being written, or spooled while the store is slow or down): not in the page's
+    /// numbers. 0 normally — the page flushes the pipeline first.
+    pub not_yet_stored: u64,
 }
 
 /// One request in a "slowest requests" table.
@@ -252,65 +269,65 @@ pub struct SlowRequest {
 
 /// How a slow request's trace is linked: `kept(trace_id)` and the URL template.
 pub struct TraceLinks<'a> {
-    /// Whether a trace id's trace was kept (`None` = unknown).
-    pub kept: &'a dyn Fn(&str) -> Option<bool>,
+    /// Whether the trace of (trace id, `created_at`) was kept (`None` = unknown).
+    pub kept: &'a dyn Fn(&str, i64) -> Option<bool>,
     /// `[dashboard] trace_url` with `{trace_id}`.
     pub url_template: Option<&'a str>,
 }
 
-fn slowest(records: &[&RequestRecord], n: usize, links: &TraceLinks<'_>) -> Vec<SlowRequest> {
-    let mut sorted: Vec<&RequestRecord> = records.to_vec();
-    sorted.sort_by(|a, b| {
-        b.total_duration_ms
-            .total_cmp(&a.total_duration_ms)
-            .then_with(|| a.request_id.cmp(&b.request_id))
-    });
-    sorted
-        .into_iter()
-        .take(n)
-        .map(|r| {
-            let kept = (links.kept)(&r.trace_id);
-            SlowRequest {
-                request_id: r.request_id.clone(),
-                created_at: r.created_at as f64 / 1e6,
-                model: r.model.clone(),
-                outcome: r.outcome.as_str(),
-                input_tokens: r.input_tokens,
-                output_tokens: r.output_tokens,
-                total_ms: r.total_duration_ms,
-                ttft_ms: r.ttft_ms,
-                queue_ms: r.queue_duration_ms,
-                prefill_ms: r.prefill_duration_ms,
-                decode_ms: r.decode_duration_ms,
-                trace_id: r.trace_id.clone(),
-                trace_kept: kept,
-                trace_url: match (kept, links.url_template) {
-                    (Some(true), Some(t)) => Some(t.replace("{trace_id}", &r.trace_id)),
-                    _ => None,
-                },
-            }
-        })
-        .collect()
+/// What a page reads besides the store: the trace links and the pipeline's backlog.
+pub struct PageContext<'a> {
+    /// Trace links of the slowest requests.
+    pub links: TraceLinks<'a>,
+    /// Records not in the store yet ([`Frame::not_yet_stored`]).
+    pub not_yet_stored: u64,
 }
 
-/// Selects the window's records passing the filters, and the options of the unfiltered window.
-fn select<'a>(
-    records: &'a [RequestRecord],
+fn slow_request(r: &RequestRecord, links: &TraceLinks<'_>) -> SlowRequest {
+    let kept = (links.kept)(&r.trace_id, r.created_at);
+    SlowRequest {
+        request_id: r.request_id.clone(),
+        created_at: r.created_at as f64 / 1e6,
+        model: r.model.clone(),
+        outcome: r.outcome.as_str(),
+        input_tokens: r.input_tokens,
+        output_tokens: r.output_tokens,
+        total_ms: r.total_duration_ms,
+        ttft_ms: r.ttft_ms,
+        queue_ms: r.queue_duration_ms,
+        prefill_ms: r.prefill_duration_ms,
+        decode_ms: r.decode_duration_ms,
+        trace_id: r.trace_id.clone(),
+        trace_kept: kept,
+        trace_url: match (kept, links.url_template) {
+            (Some(true), Some(t)) => Some(t.replace("{trace_id}", &r.trace_id)),
+            _ => None,
+        },
+    }
+}
+
+/// The 10 slowest requests of the window (end to end; ties by request id), from the store.
+fn slowest(
+    reader: &dyn RecordReader,
     w: &PageWindow,
     f: &Filters,
-) -> (Vec<&'a RequestRecord>, Options) {
-    let in_window: Vec<&RequestRecord> = records
+    links: &TraceLinks<'_>,
+) -> Result<Vec<SlowRequest>, StoreError> {
+    Ok(reader
+        .slowest(w.span, &f.to_store(), 10)?
         .iter()
-        .filter(|r| w.span.contains(r.created_at))
-        .collect();
-    let opts = options(&in_window);
-    (
-        in_window.into_iter().filter(|r| f.matches(r)).collect(),
-        opts,
-    )
+        .map(|r| slow_request(r, links))
+        .collect())
 }
 
-fn frame(page: &'static str, range: Range, w: &PageWindow, f: &Filters, options: Options) -> Frame {
+fn frame(
+    page: &'static str,
+    range: Range,
+    w: &PageWindow,
+    f: &Filters,
+    options: Options,
+    not_yet_stored: u64,
+) -> Frame {
     Frame {
         page,
         range,
@@ -319,32 +336,75 @@ fn frame(page: &'static str, range: Range, w: &PageWindow, f: &Filters, options:
         step_seconds: w.step_us as f64 / 1e6,
         filters: f.clone(),
         options,
+        not_yet_stored,
     }
 }
 
-fn sum_u64(records: &[&RequestRecord], f: impl Fn(&RequestRecord) -> Option<u64>) -> u64 {
-    records.iter().filter_map(|r| f(r)).sum()
+/// The store's report over the window, filtered, grouped by `by`, per bucket with `series`.
+fn report(
+    reader: &dyn RecordReader,
+    w: &PageWindow,
+    f: &Filters,
+    by: Vec<Dimension>,
+    series: bool,
+) -> Result<Vec<ReportRow>, StoreError> {
+    reader.report(&ReportQuery {
+        since_us: w.span.since_us,
+        until_us: Some(w.span.until_us),
+        group_by: by,
+        interval: series.then(|| std::time::Duration::from_micros(w.step_us as u64)),
+        filters: f.to_store(),
+    })
 }
 
-fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
-    let (s, n) = values.fold((0.0, 0u64), |(s, n), v| (s + v, n + 1));
-    (n > 0).then(|| s / n as f64)
+/// The store's usage sums over the window, filtered, grouped by `by` (and model), per bucket
+/// with `series`.
+fn usage(
+    reader: &dyn RecordReader,
+    w: &PageWindow,
+    f: &Filters,
+    by: Vec<Dimension>,
+    series: bool,
+) -> Result<Vec<UsageRow>, StoreError> {
+    let mut q = UsageQuery::new(w.span, by);
+    q.interval_us = series.then_some(w.step_us);
+    q.filters = f.to_store();
+    reader.usage(&q)
 }
 
-/// Per-bucket groups of the selected records.
-fn by_bucket<'a>(records: &[&'a RequestRecord], w: &PageWindow) -> Vec<Vec<&'a RequestRecord>> {
-    let mut out = vec![Vec::new(); w.buckets()];
-    for r in records {
-        if let Some(slot) = out.get_mut(w.bucket(r.created_at)) {
-            slot.push(*r);
+/// Report rows per series slot (rows outside the window are ignored).
+fn per_slot<'a>(rows: &'a [ReportRow], w: &PageWindow) -> Vec<Option<&'a ReportRow>> {
+    let mut out = vec![None; w.buckets()];
+    for r in rows {
+        if let Some(slot) = r.bucket_start_us.and_then(|b| w.slot(b)) {
+            out[slot] = Some(r);
         }
     }
     out
 }
 
-/// The one definition (`tokenscope_core::success`): client errors and cancellations left out.
-fn success_rate(records: &[&RequestRecord]) -> Option<f64> {
-    tokenscope_core::success::success_rate(records.iter().map(|r| r.outcome))
+/// Usage sums per series slot, models merged.
+fn usage_per_slot(rows: &[UsageRow], w: &PageWindow) -> Vec<UsageSums> {
+    let mut out = vec![UsageSums::default(); w.buckets()];
+    for r in rows {
+        if let Some(slot) = r.bucket_start_us.and_then(|b| w.slot(b)) {
+            out[slot].merge(&r.sums);
+        }
+    }
+    out
+}
+
+fn merged(rows: &[UsageRow]) -> UsageSums {
+    let mut s = UsageSums::default();
+    for r in rows {
+        s.merge(&r.sums);
+    }
+    s
+}
+
+/// The report's success rate (`NaN` when no request counts) as the page's `null`.
+fn rate(r: &ReportRow) -> Option<f64> {
+    (!r.success_rate.is_nan()).then_some(r.success_rate)
 }
 
 /// Headline numbers of a set of records over `seconds`.
@@ -369,17 +429,28 @@ pub struct Summary {
     pub e2e_ms: Quantiles,
 }
 
-fn summary(records: &[&RequestRecord], seconds: f64) -> Summary {
-    let n = records.len() as u64;
+fn summary(row: Option<&ReportRow>, seconds: f64) -> Summary {
+    let Some(r) = row else {
+        return Summary {
+            requests: 0,
+            success_rate: None,
+            qps: 0.0,
+            input_tokens_per_s: 0.0,
+            output_tokens_per_s: 0.0,
+            ttft_ms: Quantiles::default(),
+            tpot_ms: Quantiles::default(),
+            e2e_ms: Quantiles::default(),
+        };
+    };
     Summary {
-        requests: n,
-        success_rate: success_rate(records),
-        qps: n as f64 / seconds,
-        input_tokens_per_s: sum_u64(records, |r| r.input_tokens) as f64 / seconds,
-        output_tokens_per_s: sum_u64(records, |r| r.output_tokens) as f64 / seconds,
-        ttft_ms: Quantiles::of(records.iter().filter_map(|r| r.ttft_ms).collect()),
-        tpot_ms: Quantiles::of(records.iter().filter_map(|r| r.tpot_ms).collect()),
-        e2e_ms: Quantiles::of(records.iter().map(|r| r.total_duration_ms).collect()),
+        requests: r.count,
+        success_rate: rate(r),
+        qps: r.count as f64 / seconds,
+        input_tokens_per_s: r.input_tokens as f64 / seconds,
+        output_tokens_per_s: r.output_tokens as f64 / seconds,
+        ttft_ms: Quantiles::of(&r.ttft),
+        tpot_ms: Quantiles::of(&r.tpot),
+        e2e_ms: Quantiles::of(&r.e2e),
     }
 }
 
@@ -436,60 +507,62 @@ pub struct Overview {
     pub slowest: Vec<SlowRequest>,
 }
 
-/// Builds the overview page. `records` must cover at least the range and the trailing hour
-/// before `w.span.until_us`.
+/// Builds the overview page from the store's aggregates.
 pub fn overview(
-    records: &[RequestRecord],
+    reader: &dyn RecordReader,
     range: Range,
     w: &PageWindow,
     f: &Filters,
-    links: &TraceLinks<'_>,
-) -> Overview {
-    let (sel, opts) = select(records, w, f);
+    cx: &PageContext<'_>,
+) -> Result<Overview, StoreError> {
     let step_s = w.step_us as f64 / 1e6;
-    let buckets = by_bucket(&sel, w);
-    let q = |b: &Vec<&RequestRecord>, v: fn(&RequestRecord) -> Option<f64>| {
-        Quantiles::of(b.iter().filter_map(|r| v(r)).collect())
+    let rows = report(reader, w, f, vec![], true)?;
+    let slots = per_slot(&rows, w);
+    let col = |g: fn(&ReportRow) -> Option<f64>| -> Vec<Option<f64>> {
+        slots.iter().map(|r| r.and_then(g)).collect()
     };
-    let ttft: Vec<Quantiles> = buckets.iter().map(|b| q(b, |r| r.ttft_ms)).collect();
-    let tpot: Vec<Quantiles> = buckets.iter().map(|b| q(b, |r| r.tpot_ms)).collect();
+    let per_s = |g: fn(&ReportRow) -> u64| -> Vec<f64> {
+        slots
+            .iter()
+            .map(|r| r.map_or(0.0, |r| g(r) as f64 / step_s))
+            .collect()
+    };
     let series = OverviewSeries {
         t: w.times(),
-        qps: buckets.iter().map(|b| b.len() as f64 / step_s).collect(),
-        success_rate: buckets.iter().map(|b| success_rate(b)).collect(),
-        ttft_p50: ttft.iter().map(|x| x.p50).collect(),
-        ttft_p95: ttft.iter().map(|x| x.p95).collect(),
-        ttft_p99: ttft.iter().map(|x| x.p99).collect(),
-        tpot_p50: tpot.iter().map(|x| x.p50).collect(),
-        tpot_p95: tpot.iter().map(|x| x.p95).collect(),
-        tpot_p99: tpot.iter().map(|x| x.p99).collect(),
-        input_tokens_per_s: buckets
-            .iter()
-            .map(|b| sum_u64(b, |r| r.input_tokens) as f64 / step_s)
-            .collect(),
-        output_tokens_per_s: buckets
-            .iter()
-            .map(|b| sum_u64(b, |r| r.output_tokens) as f64 / step_s)
-            .collect(),
+        qps: per_s(|r| r.count),
+        success_rate: col(rate),
+        ttft_p50: col(|r| r.ttft.p50),
+        ttft_p95: col(|r| r.ttft.p95),
+        ttft_p99: col(|r| r.ttft.p99),
+        tpot_p50: col(|r| r.tpot.p50),
+        tpot_p95: col(|r| r.tpot.p95),
+        tpot_p99: col(|r| r.tpot.p99),
+        input_tokens_per_s: per_s(|r| r.input_tokens),
+        output_tokens_per_s: per_s(|r| r.output_tokens),
     };
-    let trailing = [("5m", 300i64), ("1h", 3_600)]
-        .into_iter()
-        .map(|(name, secs)| {
-            let tw = w.trailing(secs);
-            let (sel, _) = select(records, &tw, f);
-            TrailingWindow {
-                window: name,
-                summary: summary(&sel, secs as f64),
-            }
-        })
-        .collect();
-    Overview {
-        summary: summary(&sel, w.span.seconds()),
+    let mut trailing = Vec::with_capacity(2);
+    for (name, secs) in [("5m", 300i64), ("1h", 3_600)] {
+        let rows = report(reader, &w.trailing(secs), f, vec![], false)?;
+        trailing.push(TrailingWindow {
+            window: name,
+            summary: summary(rows.first(), secs as f64),
+        });
+    }
+    let whole = report(reader, w, f, vec![], false)?;
+    Ok(Overview {
+        summary: summary(whole.first(), w.span.seconds()),
         trailing,
         series,
-        slowest: slowest(&sel, 10, links),
-        frame: frame("overview", range, w, f, opts),
-    }
+        slowest: slowest(reader, w, f, &cx.links)?,
+        frame: frame(
+            "overview",
+            range,
+            w,
+            f,
+            options(reader, w)?,
+            cx.not_yet_stored,
+        ),
+    })
 }
 
 /// Mean phase split of a set of records, ms (over the records that have each phase).
@@ -505,13 +578,20 @@ pub struct PhaseSplit {
     pub e2e_ms: Option<f64>,
 }
 
-fn split(records: &[&RequestRecord]) -> PhaseSplit {
-    PhaseSplit {
-        queue_ms: mean(records.iter().filter_map(|r| r.queue_duration_ms)),
-        prefill_ms: mean(records.iter().filter_map(|r| r.prefill_duration_ms)),
-        decode_ms: mean(records.iter().filter_map(|r| r.decode_duration_ms)),
-        e2e_ms: mean(records.iter().map(|r| r.total_duration_ms)),
-    }
+const NO_SPLIT: PhaseSplit = PhaseSplit {
+    queue_ms: None,
+    prefill_ms: None,
+    decode_ms: None,
+    e2e_ms: None,
+};
+
+fn split(r: Option<&ReportRow>) -> PhaseSplit {
+    r.map_or(NO_SPLIT, |r| PhaseSplit {
+        queue_ms: r.queue.mean,
+        prefill_ms: r.prefill.mean,
+        decode_ms: r.decode.mean,
+        e2e_ms: r.e2e.mean,
+    })
 }
 
 /// Engine state seen by the requests at their arrival (means).
@@ -525,11 +605,11 @@ pub struct EngineMeans {
     pub kv_usage: Option<f64>,
 }
 
-fn engine(records: &[&RequestRecord]) -> EngineMeans {
+fn engine(s: &UsageSums) -> EngineMeans {
     EngineMeans {
-        running: mean(records.iter().filter_map(|r| r.engine_running)),
-        waiting: mean(records.iter().filter_map(|r| r.engine_waiting)),
-        kv_usage: mean(records.iter().filter_map(|r| r.engine_kv_usage)),
+        running: s.engine_running.mean(),
+        waiting: s.engine_waiting.mean(),
+        kv_usage: s.engine_kv_usage.mean(),
     }
 }
 
@@ -587,39 +667,42 @@ pub struct Performance {
     pub slowest: Vec<SlowRequest>,
 }
 
-/// Builds the performance page.
+/// Builds the performance page from the store's aggregates.
 pub fn performance(
-    records: &[RequestRecord],
+    reader: &dyn RecordReader,
     range: Range,
     w: &PageWindow,
     f: &Filters,
-    links: &TraceLinks<'_>,
-) -> Performance {
-    let (sel, opts) = select(records, w, f);
-    let buckets = by_bucket(&sel, w);
-    let splits: Vec<PhaseSplit> = buckets.iter().map(|b| split(b)).collect();
-    let engines: Vec<EngineMeans> = buckets.iter().map(|b| engine(b)).collect();
+    cx: &PageContext<'_>,
+) -> Result<Performance, StoreError> {
+    let whole = report(reader, w, f, vec![], false)?;
+    let series_rows = report(reader, w, f, vec![], true)?;
+    let slots = per_slot(&series_rows, w);
+    let splits: Vec<PhaseSplit> = slots.iter().map(|r| split(*r)).collect();
+    let engines: Vec<EngineMeans> = usage_per_slot(&usage(reader, w, f, vec![], true)?, w)
+        .iter()
+        .map(engine)
+        .collect();
+    let by_bucket = report(reader, w, f, vec![Dimension::InputBucket], false)?;
     let by_input_bucket = InputBucket::ALL
         .into_iter()
         .map(|ib| {
-            let rs: Vec<&RequestRecord> = sel
+            let row = by_bucket
                 .iter()
-                .copied()
-                .filter(|r| r.input_bucket == Some(ib))
-                .collect();
+                .find(|r| r.group.first().is_some_and(|(_, v)| v == ib.as_str()));
             BucketLatency {
                 input_bucket: ib.as_str(),
-                requests: rs.len() as u64,
-                ttft_ms: Quantiles::of(rs.iter().filter_map(|r| r.ttft_ms).collect()),
-                e2e_ms: Quantiles::of(rs.iter().map(|r| r.total_duration_ms).collect()),
-                split: split(&rs),
+                requests: row.map_or(0, |r| r.count),
+                ttft_ms: row.map_or(Quantiles::default(), |r| Quantiles::of(&r.ttft)),
+                e2e_ms: row.map_or(Quantiles::default(), |r| Quantiles::of(&r.e2e)),
+                split: split(row),
             }
         })
         .collect();
-    Performance {
-        requests: sel.len() as u64,
-        split: split(&sel),
-        engine: engine(&sel),
+    Ok(Performance {
+        requests: whole.first().map_or(0, |r| r.count),
+        split: split(whole.first()),
+        engine: engine(&merged(&usage(reader, w, f, vec![], false)?)),
         by_input_bucket,
         series: PerformanceSeries {
             t: w.times(),
@@ -630,9 +713,16 @@ pub fn performance(
             engine_waiting: engines.iter().map(|e| e.waiting).collect(),
             engine_kv_usage: engines.iter().map(|e| e.kv_usage).collect(),
         },
-        slowest: slowest(&sel, 10, links),
-        frame: frame("performance", range, w, f, opts),
-    }
+        slowest: slowest(reader, w, f, &cx.links)?,
+        frame: frame(
+            "performance",
+            range,
+            w,
+            f,
+            options(reader, w)?,
+            cx.not_yet_stored,
+        ),
+    })
 }
 
 /// Tokens and cost of one group.
@@ -707,36 +797,34 @@ pub struct Cost {
     pub budgets: Vec<BudgetRow>,
 }
 
-fn cost_rows(
-    records: &[&RequestRecord],
-    key: impl Fn(&RequestRecord) -> Option<&str>,
-    total: f64,
-    limit: usize,
-) -> Vec<CostRow> {
-    let mut groups: BTreeMap<String, CostRow> = BTreeMap::new();
-    for r in records {
-        let k = key(r).unwrap_or("(none)").to_owned();
-        let row = groups.entry(k.clone()).or_insert_with(|| CostRow {
-            key: k,
-            requests: 0,
-            input_tokens: 0,
-            output_tokens: 0,
-            cost_usd: 0.0,
-            share: None,
-        });
-        row.requests += 1;
-        row.input_tokens += r.input_tokens.unwrap_or(0);
-        row.output_tokens += r.output_tokens.unwrap_or(0);
-        row.cost_usd += r.cost_usd.unwrap_or(0.0);
+/// Usage rows of one dimension folded per label (models merged) into cost rows, most
+/// expensive first (then most tokens, then the label), at most `limit`.
+fn cost_rows(rows: &[UsageRow], total: f64, limit: usize) -> Vec<CostRow> {
+    let mut groups: BTreeMap<String, UsageSums> = BTreeMap::new();
+    for r in rows {
+        let k = r
+            .labels
+            .first()
+            .cloned()
+            .flatten()
+            .unwrap_or_else(|| "(none)".to_owned());
+        groups.entry(k).or_default().merge(&r.sums);
     }
-    let mut rows: Vec<CostRow> = groups
-        .into_values()
-        .map(|mut row| {
-            row.share = (total > 0.0).then(|| row.cost_usd / total);
-            row
+    let mut out: Vec<CostRow> = groups
+        .into_iter()
+        .map(|(key, s)| {
+            let cost_usd = s.stored_cost_usd();
+            CostRow {
+                key,
+                requests: s.requests,
+                input_tokens: s.input_tokens,
+                output_tokens: s.output_tokens,
+                cost_usd,
+                share: (total > 0.0).then(|| cost_usd / total),
+            }
         })
         .collect();
-    rows.sort_by(|a, b| {
+    out.sort_by(|a, b| {
         b.cost_usd
             .total_cmp(&a.cost_usd)
             .then_with(|| {
@@ -744,49 +832,43 @@ fn cost_rows(
             })
             .then_with(|| a.key.cmp(&b.key))
     });
-    rows.truncate(limit);
-    rows
+    out.truncate(limit);
+    out
 }
 
-/// Builds the cost page; `budgets` are the current gauge values.
+/// Builds the cost page from the store's usage sums; `budgets` are the current gauge values.
 pub fn cost(
-    records: &[RequestRecord],
+    reader: &dyn RecordReader,
     range: Range,
     w: &PageWindow,
     f: &Filters,
     budgets: Vec<BudgetRow>,
-) -> Cost {
-    let (sel, opts) = select(records, w, f);
-    let total: f64 = sel.iter().filter_map(|r| r.cost_usd).sum();
-    let buckets = by_bucket(&sel, w);
-    Cost {
+    not_yet_stored: u64,
+) -> Result<Cost, StoreError> {
+    let lines = usage(reader, w, f, vec![Dimension::BusinessLine], false)?;
+    let users = usage(reader, w, f, vec![Dimension::User], false)?;
+    let t = merged(&lines);
+    let total = t.stored_cost_usd();
+    let slots = usage_per_slot(&usage(reader, w, f, vec![], true)?, w);
+    Ok(Cost {
         totals: CostTotals {
-            requests: sel.len() as u64,
-            input_tokens: sum_u64(&sel, |r| r.input_tokens),
-            output_tokens: sum_u64(&sel, |r| r.output_tokens),
+            requests: t.requests,
+            input_tokens: t.input_tokens,
+            output_tokens: t.output_tokens,
             cost_usd: total,
-            unpriced_requests: sel.iter().filter(|r| r.cost_usd.is_none()).count() as u64,
+            unpriced_requests: t.requests - t.stored_cost_requests,
         },
-        by_business_line: cost_rows(&sel, |r| r.business_line.as_deref(), total, usize::MAX),
-        by_user: cost_rows(&sel, |r| r.user_id.as_deref(), total, 20),
+        by_business_line: cost_rows(&lines, total, usize::MAX),
+        by_user: cost_rows(&users, total, 20),
         series: CostSeries {
             t: w.times(),
-            cost_usd: buckets
-                .iter()
-                .map(|b| b.iter().filter_map(|r| r.cost_usd).sum())
-                .collect(),
-            input_tokens: buckets
-                .iter()
-                .map(|b| sum_u64(b, |r| r.input_tokens))
-                .collect(),
-            output_tokens: buckets
-                .iter()
-                .map(|b| sum_u64(b, |r| r.output_tokens))
-                .collect(),
+            cost_usd: slots.iter().map(UsageSums::stored_cost_usd).collect(),
+            input_tokens: slots.iter().map(|s| s.input_tokens).collect(),
+            output_tokens: slots.iter().map(|s| s.output_tokens).collect(),
         },
         budgets,
-        frame: frame("cost", range, w, f, opts),
-    }
+        frame: frame("cost", range, w, f, options(reader, w)?, not_yet_stored),
+    })
 }
 
 #[cfg(test)]
@@ -811,11 +893,21 @@ mod tests {
         }
     }
 
-    fn no_links() -> TraceLinks<'static> {
-        TraceLinks {
-            kept: &|_| None,
-            url_template: None,
+    fn no_links() -> PageContext<'static> {
+        PageContext {
+            links: TraceLinks {
+                kept: &|_, _| None,
+                url_template: None,
+            },
+            not_yet_stored: 0,
         }
+    }
+
+    /// The records in an in-memory embedded store: the pages read only its aggregates.
+    fn store_of(records: &[RequestRecord]) -> tokenscope_store::SqliteStore {
+        let mut s = tokenscope_store::SqliteStore::open_in_memory().expect("store");
+        s.insert_batch(records).expect("insert");
+        s
     }
 
     #[test]
@@ -846,7 +938,14 @@ mod tests {
             .collect();
         records[0].outcome = Outcome::UpstreamError;
         records.push(rec("old", until - 7_200.0, "m", 1.0)); // outside the window
-        let o = overview(&records, Range::H1, &w, &Filters::default(), &no_links());
+        let o = overview(
+            &store_of(&records),
+            Range::H1,
+            &w,
+            &Filters::default(),
+            &no_links(),
+        )
+        .expect("page");
         assert_eq!(o.summary.requests, 10);
         assert_eq!(o.summary.success_rate, Some(0.9));
         assert!((o.summary.qps - 10.0 / 3_600.0).abs() < 1e-12);
@@ -877,7 +976,7 @@ mod tests {
             model: Some("m2".into()),
             ..Filters::default()
         };
-        let o = overview(&records, Range::M5, &w, &f, &no_links());
+        let o = overview(&store_of(&records), Range::M5, &w, &f, &no_links()).expect("page");
         assert_eq!(o.summary.requests, 1);
         assert_eq!(o.frame.options.models, vec!["m1", "m2"]);
         assert_eq!(o.frame.options.request_types, vec!["chat", "completion"]);
@@ -887,7 +986,8 @@ mod tests {
             ..Filters::default()
         };
         assert_eq!(
-            overview(&records, Range::M5, &w, &f, &no_links())
+            overview(&store_of(&records), Range::M5, &w, &f, &no_links())
+                .expect("page")
                 .summary
                 .requests,
             1
@@ -907,7 +1007,14 @@ mod tests {
         b.input_bucket = Some(InputBucket::B2048Plus);
         b.queue_duration_ms = Some(30.0);
         b.engine_running = Some(8.0);
-        let p = performance(&[a, b], Range::M5, &w, &Filters::default(), &no_links());
+        let p = performance(
+            &store_of(&[a, b]),
+            Range::M5,
+            &w,
+            &Filters::default(),
+            &no_links(),
+        )
+        .expect("page");
         assert_eq!(p.split.queue_ms, Some(20.0));
         assert_eq!(p.split.prefill_ms, Some(20.0));
         assert_eq!(p.engine.running, Some(6.0));
@@ -936,7 +1043,15 @@ mod tests {
             business_line: "search".into(),
             usage_ratio: 0.5,
         }];
-        let c = cost(&[a, b, c], Range::M5, &w, &Filters::default(), budgets);
+        let c = cost(
+            &store_of(&[a, b, c]),
+            Range::M5,
+            &w,
+            &Filters::default(),
+            budgets,
+            0,
+        )
+        .expect("page");
         assert_eq!(c.totals.cost_usd, 4.0);
         assert_eq!(c.totals.unpriced_requests, 1);
         assert_eq!(c.totals.input_tokens, 300);
@@ -954,12 +1069,22 @@ mod tests {
         let a = rec("a", 5.0, "m", 10.0);
         let b = rec("b", 6.0, "m", 20.0);
         let kept_id = a.trace_id.clone();
-        let kept = move |t: &str| Some(t == kept_id);
-        let links = TraceLinks {
-            kept: &kept,
-            url_template: Some("http://jaeger/trace/{trace_id}"),
+        let kept = move |t: &str, _at: i64| Some(t == kept_id);
+        let links = PageContext {
+            links: TraceLinks {
+                kept: &kept,
+                url_template: Some("http://jaeger/trace/{trace_id}"),
+            },
+            not_yet_stored: 0,
         };
-        let o = overview(&[a, b], Range::M5, &w, &Filters::default(), &links);
+        let o = overview(
+            &store_of(&[a, b]),
+            Range::M5,
+            &w,
+            &Filters::default(),
+            &links,
+        )
+        .expect("page");
         assert_eq!(o.slowest[0].request_id, "b");
         assert_eq!(o.slowest[0].trace_kept, Some(false));
         assert_eq!(o.slowest[0].trace_url, None);

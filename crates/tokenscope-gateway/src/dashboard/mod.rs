@@ -8,10 +8,14 @@
 //!   ([`aggregate`] documents each field and the definitions).
 //!
 //! Invariants:
-//! * The request path never waits on the dashboard: a page reads the store on a blocking
-//!   thread (a read-only SQLite connection, or ClickHouse over HTTP) plus the in-memory ring of
-//!   recent records (records not yet written are shown too, each request once). At most
-//!   [`MAX_CONCURRENT_QUERIES`] page queries run at once; more wait for a permit.
+//! * The request path never waits on the dashboard: a page runs on a blocking thread of the
+//!   background runtime. It first asks the store pipeline to write what this gateway finished
+//!   (waiting at most [`FLUSH_WAIT`]), then reads only the store's aggregates ([`aggregate`]:
+//!   report, usage sums, the top 10 slowest) — per-bucket and per-group state, never a
+//!   window's rows, so its memory does not grow with the rows (`read_memory` test). With
+//!   several gateways on one ClickHouse a page shows the fleet. Records the store does not
+//!   hold yet (store slow or down) are counted in the page's `not_yet_stored`, not shown. At
+//!   most [`MAX_CONCURRENT_QUERIES`] page queries run at once; more wait for a permit.
 //! * With `[dashboard] token` (the admin token) set, every `/api/dashboard/*` and
 //!   `/api/requests*` call needs `Authorization: Bearer <token>` (`crate::auth`: scheme in any
 //!   case, compared in constant time, never logged); the static page holds no data and stays
@@ -22,7 +26,7 @@
 pub mod aggregate;
 
 use crate::shared::Shared;
-use aggregate::{BudgetRow, Filters, PageWindow, Range, TraceLinks};
+use aggregate::{BudgetRow, Filters, PageContext, PageWindow, Range, TraceLinks};
 use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -32,10 +36,14 @@ use parking_lot::Mutex;
 use serde::Deserialize;
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
-use tokenscope_core::RequestRecord;
+use std::time::Duration;
 
 /// Page queries running at once (each may read a day or a week of rows).
 pub const MAX_CONCURRENT_QUERIES: usize = 2;
+/// How long a page waits for the store pipeline to write what this gateway finished before
+/// it reads the store (a slow or down store: the page goes on, `not_yet_stored` says how many
+/// records it does not show).
+pub const FLUSH_WAIT: Duration = Duration::from_millis(1_000);
 /// Kept trace ids remembered for the trace links.
 pub const KEPT_TRACES: usize = 65_536;
 
@@ -220,22 +228,19 @@ async fn page(
         business_line: nonempty(q.business_line),
     };
     let window = PageWindow::ending_at(range, until_us);
-    // The overview's trailing 1 h needs that much even for the 5 min range.
-    let since_us = window
-        .span
-        .since_us
-        .min(window.span.until_us - 3_600_000_000);
     let Ok(_permit) = s.permits.clone().acquire_owned().await else {
         return (StatusCode::SERVICE_UNAVAILABLE, "shutting down").into_response();
     };
     let shared = s.shared.clone();
-    let until = window.span.until_us;
-    // Reading the window's rows and computing the page (percentiles over up to millions of
-    // rows) are both CPU work: off the runtime, on a blocking thread of the background
-    // runtime (nice +10), so neither a request nor the admin listener waits behind a page.
+    // Flushing the pipeline and reading the store's aggregates are blocking I/O and CPU
+    // work: off the runtime, on a blocking thread of the background runtime (nice +10), so
+    // neither a request nor the admin listener waits behind a page.
     let done = tokio::task::spawn_blocking(move || {
-        let records = load(&shared, since_us, until)?;
-        Ok::<_, String>(render(&shared, &page, &records, range, &window, &filters))
+        // What this gateway finished so far goes to the store first (bounded wait: a slow or
+        // down store leaves it counted in `not_yet_stored`, never waited on).
+        shared.fanout.recorder.flush_within(FLUSH_WAIT);
+        let not_yet_stored = shared.fanout.recorder.pending();
+        render(&shared, &page, range, &window, &filters, not_yet_stored)
     })
     .await;
     match done {
@@ -249,41 +254,52 @@ async fn page(
     }
 }
 
-/// One page's JSON from the window's records (pure but for the kept-trace memory and the
-/// budget gauges it reads).
+/// One page's JSON, computed by the store ([`aggregate`]); a store without a file yet
+/// (nothing written) reads as empty.
 fn render(
     shared: &Shared,
     page: &str,
-    records: &[RequestRecord],
     range: Range,
     window: &PageWindow,
     filters: &Filters,
-) -> Response {
-    let kept_fn = |_: &str| None;
+    not_yet_stored: u64,
+) -> Result<Response, String> {
+    // Inside the gateway: a small page cache and no memory map (`ReadProfile::Resident`).
+    let target = tokenscope_backend::StoreTarget::parse(&shared.cfg.store);
+    let reader: Box<dyn tokenscope_store::RecordReader> = match tokenscope_backend::open_reader_with(
+        &target,
+        tokenscope_backend::ReadProfile::Resident,
+    ) {
+        Ok(reader) => reader,
+        Err(tokenscope_backend::BackendError::Missing { .. }) => {
+            Box::new(tokenscope_store::SqliteStore::open_in_memory().map_err(|e| e.to_string())?)
+        }
+        Err(e) => return Err(e.detail()),
+    };
+    let reader = reader.as_ref();
     let tracing_on = shared.fanout.tracing_on();
     let kept = &shared.fanout.kept_traces;
-    let created: std::collections::HashMap<&str, i64> = records
-        .iter()
-        .map(|r| (r.trace_id.as_str(), r.created_at))
-        .collect();
-    let kept_lookup = |t: &str| {
+    let kept_lookup = |t: &str, at: i64| {
         if !tracing_on {
             return None;
         }
-        created.get(t).and_then(|at| kept.kept(*at, t))
+        kept.kept(at, t)
     };
-    let links = TraceLinks {
-        kept: if tracing_on { &kept_lookup } else { &kept_fn },
-        url_template: shared.cfg.dashboard.trace_url.as_deref(),
+    let cx = PageContext {
+        links: TraceLinks {
+            kept: &kept_lookup,
+            url_template: shared.cfg.dashboard.trace_url.as_deref(),
+        },
+        not_yet_stored,
     };
-    match page {
-        "overview" => {
-            Json(aggregate::overview(records, range, window, filters, &links)).into_response()
+    let err = |e: tokenscope_store::StoreError| e.to_string();
+    Ok(match page {
+        "overview" => Json(aggregate::overview(reader, range, window, filters, &cx).map_err(err)?)
+            .into_response(),
+        "performance" => {
+            Json(aggregate::performance(reader, range, window, filters, &cx).map_err(err)?)
+                .into_response()
         }
-        "performance" => Json(aggregate::performance(
-            records, range, window, filters, &links,
-        ))
-        .into_response(),
         _ => {
             let mut lines: Vec<String> = shared
                 .cfg
@@ -300,9 +316,13 @@ fn render(
                     business_line: l,
                 })
                 .collect();
-            Json(aggregate::cost(records, range, window, filters, budgets)).into_response()
+            Json(
+                aggregate::cost(reader, range, window, filters, budgets, not_yet_stored)
+                    .map_err(err)?,
+            )
+            .into_response()
         }
-    }
+    })
 }
 
 fn now_us() -> i64 {
@@ -310,51 +330,6 @@ fn now_us() -> i64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_micros() as i64)
         .unwrap_or(0)
-}
-
-/// The records created in `[since_us, until_us)`: the store's rows plus the in-memory recent
-/// records the store does not have yet (each request once).
-fn load(shared: &Shared, since_us: i64, until_us: i64) -> Result<Vec<RequestRecord>, String> {
-    // Inside the gateway: a small page cache and no memory map (`ReadProfile::Resident`). No
-    // store file yet (nothing written): only the in-memory recent records.
-    let target = tokenscope_backend::StoreTarget::parse(&shared.cfg.store);
-    let mut records = match tokenscope_backend::open_reader_with(
-        &target,
-        tokenscope_backend::ReadProfile::Resident,
-    ) {
-        Ok(reader) => reader
-            .records_between(tokenscope_core::query::Window::new(since_us, until_us))
-            .map_err(|e| e.to_string())?,
-        Err(tokenscope_backend::BackendError::Missing { .. }) => Vec::new(),
-        Err(e) => return Err(e.detail()),
-    };
-    let recent: Vec<Arc<RequestRecord>> = shared
-        .fanout
-        .recent
-        .lock()
-        .iter()
-        .filter(|r| r.created_at >= since_us && r.created_at < until_us)
-        .cloned()
-        .collect();
-    if !recent.is_empty() {
-        let oldest = recent
-            .iter()
-            .map(|r| r.created_at)
-            .min()
-            .unwrap_or(since_us);
-        let stored: HashSet<&str> = records
-            .iter()
-            .filter(|r| r.created_at >= oldest)
-            .map(|r| r.request_id.as_str())
-            .collect();
-        let missing: Vec<RequestRecord> = recent
-            .iter()
-            .filter(|r| !stored.contains(r.request_id.as_str()))
-            .map(|r| (**r).clone())
-            .collect();
-        records.extend(missing);
-    }
-    Ok(records)
 }
 
 #[cfg(test)]

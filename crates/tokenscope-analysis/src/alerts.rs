@@ -16,6 +16,9 @@
 //! * token rate by model over `rate_window` above `token_anomaly_factor` × its average rate
 //!   over the `baseline` that ended `baseline` ago, and above `token_anomaly_min_rate` — P2.
 //!   Only evaluated once the history covers that baseline (Prometheus has no value either).
+//!   In a fleet ([`AlertEvaluator::set_fleet_tokens`]) both rates are the fleet's, read from
+//!   the shared store (every replica's requests), and the history counts as covered when this
+//!   replica's does or the fleet's baseline window holds requests.
 //!
 //! Invariants:
 //! * `for:` semantics as Prometheus: a condition becomes pending at the first evaluation where
@@ -289,9 +292,22 @@ pub struct SelfHealth {
     pub store_up: bool,
 }
 
+/// The token sums of a whole fleet of gateways (every replica's requests, summed by the shared
+/// store), by bounded model label, for the token-anomaly condition.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FleetTokens {
+    /// Tokens of the requests created in the rate window ending at the sums' time.
+    pub window: BTreeMap<String, u64>,
+    /// Tokens of the requests created in the baseline window (`baseline` long, ended
+    /// `baseline` before the sums' time).
+    pub baseline: BTreeMap<String, u64>,
+}
+
 /// The sliding-window evaluator with its de-duplication state.
 #[derive(Debug)]
 pub struct AlertEvaluator {
+    /// The fleet's token sums, when set (see [`AlertEvaluator::set_fleet_tokens`]).
+    fleet_tokens: Option<FleetTokens>,
     t: AlertThresholds,
     opts: EvaluatorOptions,
     samples: VecDeque<AlertSample>,
@@ -348,6 +364,7 @@ impl AlertEvaluator {
             .unwrap_or(i64::MAX / 4_000_000)
             .saturating_mul(1_000_000);
         Self {
+            fleet_tokens: None,
             bucket_us: (baseline_us / 60).max(1_000_000).min(baseline_us.max(1)),
             baseline_us: baseline_us.max(1),
             t,
@@ -377,6 +394,12 @@ impl AlertEvaluator {
             .values()
             .filter_map(|i| i.firing.as_ref())
             .collect()
+    }
+
+    /// Uses the fleet's token sums for the token-anomaly condition (`None`: this replica's
+    /// own samples, e.g. while the store cannot be read).
+    pub fn set_fleet_tokens(&mut self, fleet: Option<FleetTokens>) {
+        self.fleet_tokens = fleet;
     }
 
     /// Adds a finished request.
@@ -551,43 +574,64 @@ impl AlertEvaluator {
                 }
             }
         }
-        // Token anomaly: rate over the window vs. the baseline that ended `baseline` ago.
+        // Token anomaly: rate over the window vs. the baseline that ended `baseline` ago —
+        // this replica's samples, or the fleet's sums from the store.
         let base_us = self.baseline_us;
-        let covered = self.first_at_us.is_some_and(|f| f <= now_us - 2 * base_us);
-        if covered {
-            let (lo, hi) = (
-                (now_us - 2 * base_us).div_euclid(self.bucket_us),
-                (now_us - base_us).div_euclid(self.bucket_us),
-            );
-            for (model, ss) in &by_model {
-                let rate =
-                    ss.iter().map(|s| s.tokens).sum::<u64>() as f64 / t.rate_window_seconds as f64;
-                let base_tokens: u64 = self
-                    .token_buckets
-                    .get(*model)
-                    .map(|b| b.range(lo..hi).map(|(_, n)| n).sum())
-                    .unwrap_or(0);
-                let base_rate =
-                    base_tokens as f64 / ((hi - lo).max(1) * self.bucket_us) as f64 * 1e6;
-                if rate > t.token_anomaly_factor * base_rate && rate > t.token_anomaly_min_rate {
-                    out.push(Condition {
-                        name: names::TOKEN_ANOMALY,
-                        severity: Severity::P2,
-                        tier: "cost",
-                        key: "model",
-                        key_value: (*model).to_owned(),
-                        value: rate,
-                        for_s: t.token_anomaly_for_seconds,
-                        summary: format!("Token rate of {model} far above its baseline"),
-                        description: format!(
-                            "Token rate of model {model} is {} tokens/s, over {}x its baseline \
-                             ({} tokens/s).",
-                            fmt_value(rate),
-                            t.token_anomaly_factor,
-                            fmt_value(base_rate)
-                        ),
-                    });
+        let local_covered = self.first_at_us.is_some_and(|f| f <= now_us - 2 * base_us);
+        let (lo, hi) = (
+            (now_us - 2 * base_us).div_euclid(self.bucket_us),
+            (now_us - base_us).div_euclid(self.bucket_us),
+        );
+        let mut rates: Vec<(String, f64, f64)> = Vec::new();
+        match &self.fleet_tokens {
+            Some(f) => {
+                let covered = local_covered || f.baseline.values().any(|n| *n > 0);
+                if covered {
+                    for (model, n) in &f.window {
+                        let base = f.baseline.get(model).copied().unwrap_or(0);
+                        rates.push((
+                            model.clone(),
+                            *n as f64 / t.rate_window_seconds as f64,
+                            base as f64 / base_us as f64 * 1e6,
+                        ));
+                    }
                 }
+            }
+            None if local_covered => {
+                for (model, ss) in &by_model {
+                    let rate = ss.iter().map(|s| s.tokens).sum::<u64>() as f64
+                        / t.rate_window_seconds as f64;
+                    let base_tokens: u64 = self
+                        .token_buckets
+                        .get(*model)
+                        .map(|b| b.range(lo..hi).map(|(_, n)| n).sum())
+                        .unwrap_or(0);
+                    let base_rate =
+                        base_tokens as f64 / ((hi - lo).max(1) * self.bucket_us) as f64 * 1e6;
+                    rates.push(((*model).to_owned(), rate, base_rate));
+                }
+            }
+            None => {}
+        }
+        for (model, rate, base_rate) in rates {
+            if rate > t.token_anomaly_factor * base_rate && rate > t.token_anomaly_min_rate {
+                out.push(Condition {
+                    name: names::TOKEN_ANOMALY,
+                    severity: Severity::P2,
+                    tier: "cost",
+                    key: "model",
+                    summary: format!("Token rate of {model} far above its baseline"),
+                    description: format!(
+                        "Token rate of model {model} is {} tokens/s, over {}x its baseline \
+                         ({} tokens/s).",
+                        fmt_value(rate),
+                        t.token_anomaly_factor,
+                        fmt_value(base_rate)
+                    ),
+                    key_value: model,
+                    value: rate,
+                    for_s: t.token_anomaly_for_seconds,
+                });
             }
         }
         for (line, ratio) in budget {
@@ -989,6 +1033,44 @@ mod tests {
         assert_eq!(n[0].alert.name(), names::TOKEN_ANOMALY);
         assert_eq!(n[0].state, NotificationState::Firing);
         assert_eq!(n[1].state, NotificationState::Resolved);
+    }
+
+    #[test]
+    fn alerts_fleet_token_anomaly_uses_the_fleets_sums() {
+        // One replica's own traffic is flat and small; the fleet's (from the store) jumps.
+        let t = AlertThresholds {
+            rate_window_seconds: 2,
+            token_anomaly_baseline_seconds: 2,
+            token_anomaly_for_seconds: 0,
+            token_anomaly_min_rate: 50.0,
+            ..t_fast()
+        };
+        let mut ev = AlertEvaluator::new(t, EvaluatorOptions::default());
+        ev.start_at(0);
+        assert!(run(&mut ev, 0, 10, |_| 1, |_| false).is_empty());
+        let fleet = |window: u64, base: u64| FleetTokens {
+            window: [("m".to_owned(), window)].into(),
+            baseline: [("m".to_owned(), base)].into(),
+        };
+        // The fleet at the replica's own rate: quiet.
+        ev.set_fleet_tokens(Some(fleet(40, 40)));
+        assert!(ev.evaluate(11 * S, &[]).is_empty());
+        // The fleet's rate 10x its baseline and above the minimum: fires once, for "m".
+        ev.set_fleet_tokens(Some(fleet(400, 40)));
+        let n = ev.evaluate(12 * S, &[]);
+        assert_eq!(n.len(), 1, "{n:#?}");
+        assert_eq!(n[0].alert.name(), names::TOKEN_ANOMALY);
+        assert_eq!(n[0].alert.labels["model"], "m");
+        assert_eq!(n[0].alert.value, 200.0);
+        assert!(
+            ev.evaluate(13 * S, &[]).is_empty(),
+            "one incident, one alert"
+        );
+        // Back to the replica's own samples (store unreadable): its flat rate resolves it.
+        ev.set_fleet_tokens(None);
+        let n = ev.evaluate(14 * S, &[]);
+        assert_eq!(n.len(), 1, "{n:#?}");
+        assert_eq!(n[0].state, NotificationState::Resolved);
     }
 
     #[test]

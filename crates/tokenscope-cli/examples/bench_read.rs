@@ -5,6 +5,11 @@
 //!
 //! * `tokenscope report --by model,input_bucket --since 8d`
 //! * `tokenscope cost --by business_line,user --since 30d`
+//! * the dashboard's 7-day overview (`GET /api/dashboard/overview?range=7d`) from a
+//!   `tokenscope serve` over the same store: the page's time, and the gateway's peak RSS
+//!   (`VmHWM`) and how far the page raised it; then the proxy's TTFT and end-to-end P99 under a
+//!   steady streamed load (`tokenscope bench`, mock engine) in alternating rounds without and
+//!   with pages being read back to back — the page must not move the proxy's P99.
 //!
 //! ```text
 //! cargo build --release -p tokenscope-cli --bin tokenscope --example bench_read
@@ -19,7 +24,10 @@
 //! lengths over the four buckets, ~5 % errors, 75 % streamed, engine phases, stored costs on
 //! half the rows; deterministic (xorshift).
 
-use std::process::Command;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokenscope_clickhouse::testutil::ClickHouseServer;
@@ -232,6 +240,202 @@ fn run_commands(a: &Args, kind: &str, store: &str) {
     }
 }
 
+/// A child process killed when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The first line the child prints on stdout.
+fn first_line(child: &mut Child) -> String {
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout"))
+        .read_line(&mut line)
+        .expect("ready line");
+    line
+}
+
+/// `GET path` over HTTP/1.1 (connection closed after); (status, body).
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// `(VmRSS, VmHWM)` of a process, MB.
+fn rss_hwm_mb(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| -> f64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+            / 1024.0
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// (TTFT P99, e2e P99) in ms of one `tokenscope bench` level against `proxy`.
+fn load_p99(a: &Args, proxy: &str) -> (f64, f64) {
+    let out = Command::new(&a.bin)
+        .args(["bench", "--target"])
+        .arg(format!("http://{proxy}"))
+        .args([
+            "--rates",
+            "20",
+            "--duration",
+            "15s",
+            "--arrival",
+            "constant",
+            "--stream",
+            "--format",
+            "json",
+        ])
+        .env("TOKENSCOPE_LOG", "warn")
+        .output()
+        .expect("run bench");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "bench output: {e}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    let level = &v[0];
+    (
+        level["ttft_ms"]["p99"].as_f64().unwrap_or(f64::NAN),
+        level["e2e_ms"]["p99"].as_f64().unwrap_or(f64::NAN),
+    )
+}
+
+/// The dashboard part (see the module docs).
+fn run_dashboard(a: &Args, kind: &str, store: &str) {
+    let mut mock = Command::new(&a.bin)
+        .args([
+            "mock-engine",
+            "--listen",
+            "127.0.0.1:0",
+            "--time-scale",
+            "0.05",
+        ])
+        .env("TOKENSCOPE_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("mock engine");
+    let line = first_line(&mut mock);
+    let _mock = Proc(mock);
+    let mock_addr = line
+        .trim()
+        .strip_prefix("tokenscope mock-engine listening on ")
+        .unwrap_or_else(|| panic!("mock line {line:?}"))
+        .to_owned();
+    let dir = tempfile::tempdir().expect("tmp");
+    let mut gw = Command::new(&a.bin)
+        .args(["serve", "--upstream"])
+        .arg(format!("http://{mock_addr}"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--store",
+            store,
+        ])
+        .env("TOKENSCOPE_SPOOL__DIR", dir.path().join("spool"))
+        .env("TOKENSCOPE_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("serve");
+    let line = first_line(&mut gw);
+    let pid = gw.id();
+    let _gw = Proc(gw);
+    let field = |name: &str| -> String {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+            .to_owned()
+    };
+    let (proxy, admin) = (field("proxy="), field("admin="));
+    let (rss0, _) = rss_hwm_mb(pid);
+    let mut times = Vec::new();
+    let mut requests = 0;
+    for _ in 0..a.repeat {
+        let t = Instant::now();
+        let (st, body) = http_get(&admin, "/api/dashboard/overview?range=7d");
+        times.push(t.elapsed().as_secs_f64());
+        assert_eq!(st, 200, "overview: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+        requests = v["summary"]["requests"].as_u64().unwrap_or(0);
+    }
+    let (_, hwm) = rss_hwm_mb(pid);
+    times.sort_by(f64::total_cmp);
+    println!(
+        "| {kind} | {} rows | dashboard overview, 7 days ({requests} requests) | {:.2} s | gateway {hwm:.0} MB peak (+{:.0} MB over its {rss0:.0} MB before the page) |",
+        a.rows,
+        times[times.len() / 2],
+        hwm - rss0
+    );
+    // The proxy's P99 without and with pages read back to back, alternating rounds.
+    let mut quiet = Vec::new();
+    let mut busy = Vec::new();
+    for round in 0..4 {
+        if round % 2 == 0 {
+            quiet.push(load_p99(a, &proxy));
+            continue;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let pages = {
+            let stop = stop.clone();
+            let admin = admin.clone();
+            std::thread::spawn(move || {
+                let mut n = 0u32;
+                while !stop.load(Ordering::Relaxed) {
+                    let (st, _) = http_get(&admin, "/api/dashboard/overview?range=7d");
+                    assert_eq!(st, 200);
+                    n += 1;
+                }
+                n
+            })
+        };
+        busy.push(load_p99(a, &proxy));
+        stop.store(true, Ordering::Relaxed);
+        let n = pages.join().expect("pages");
+        eprintln!("{kind}: {n} overview pages during a load round");
+    }
+    let fmt = |v: &[(f64, f64)]| -> String {
+        v.iter()
+            .map(|(t, e)| format!("{t:.1} / {e:.1}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    println!(
+        "| {kind} | {} rows | proxy TTFT / e2e P99 (ms) at 20 streamed req/s, rounds without pages | {} | with 7-day pages read back to back: {} |",
+        a.rows,
+        fmt(&quiet),
+        fmt(&busy)
+    );
+}
+
 fn main() {
     let a = args();
     println!(
@@ -252,7 +456,9 @@ fn main() {
             took.as_secs_f64()
         );
         ch.query("OPTIMIZE TABLE bench_read.llm_inference_log FINAL");
-        run_commands(&a, &format!("ClickHouse {}", store.server_version()), &url);
+        let kind = format!("ClickHouse {}", store.server_version());
+        run_commands(&a, &kind, &url);
+        run_dashboard(&a, &kind, &url);
     }
     if a.sqlite {
         let dir = tempfile::tempdir().expect("tmp");
@@ -269,5 +475,6 @@ fn main() {
             std::fs::metadata(&db).map(|m| m.len() >> 20).unwrap_or(0)
         );
         run_commands(&a, "SQLite", &db.to_string_lossy());
+        run_dashboard(&a, "SQLite", &db.to_string_lossy());
     }
 }

@@ -272,3 +272,101 @@ async fn three_gateways_on_one_clickhouse_answer_for_the_fleet() {
         gw.stop();
     }
 }
+
+/// The live token anomaly judges the fleet: a surge spread evenly over three gateways, each of
+/// which sees a token rate below `token_anomaly_min_rate` while the fleet's is above it,
+/// gives exactly one `LLMTokenRateAnomaly` (before the fleet view: none — no replica alone
+/// crossed the minimum).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_token_surge_spread_over_the_fleet_fires_one_anomaly() {
+    if !clickhouse_or_skip() {
+        return;
+    }
+    let ch = ClickHouseServer::start().expect("start clickhouse");
+    let mock = MockProc::start(&[]);
+    let rx = alert_receiver(0).await;
+    let url = ch.url("ts_fleet_tokens");
+    let (st, _, body) =
+        post_json(&format!("{}/v1/chat/completions", mock.url()), &chat(), &[]).await;
+    assert_eq!(st, 200);
+    let per_request = tokens_of(&body);
+    // Per gateway N requests inside one 4 s rate window: each sees at most N·p/4 tokens/s,
+    // the fleet 3·N·p/4; the minimum sits between (N·p/2).
+    const N: u64 = 10;
+    const WINDOW_S: u64 = 4;
+    let min_rate = (N * per_request) as f64 / 2.0;
+    let dir = tempfile::tempdir().expect("tmp");
+    let cfg = dir.path().join("fleet.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[pipeline]\nflush_interval_ms = 100\n\n\
+             [fleet]\nrefresh_interval_ms = 300\nclaim_settle_ms = 1000\n\n\
+             [alerts]\nwebhook_url = \"http://{}/api/v2/alerts\"\nevaluation_interval = \"200ms\"\n\n\
+             [alerts.thresholds]\nrate_window_seconds = {WINDOW_S}\n\
+             token_anomaly_baseline_seconds = {WINDOW_S}\ntoken_anomaly_for_seconds = 0\n\
+             token_anomaly_factor = 3.0\ntoken_anomaly_min_rate = {min_rate}\n",
+            rx.addr
+        ),
+    )
+    .expect("config");
+    let cfg_s = cfg.to_string_lossy().into_owned();
+    let starts: Vec<_> = (0..3)
+        .map(|_| {
+            let (m, u, c) = (mock.url(), url.clone(), cfg_s.clone());
+            std::thread::spawn(move || {
+                GatewayProc::start_with_args(Some(&m), &["--store", &u, "--config", &c], &[])
+            })
+        })
+        .collect();
+    let gws: Vec<GatewayProc> = starts
+        .into_iter()
+        .map(|t| t.join().expect("gateway start"))
+        .collect();
+    // A quiet history covering the baseline (2 × 4 s) on every replica.
+    tokio::time::sleep(Duration::from_secs(2 * WINDOW_S + 1)).await;
+    assert!(
+        firing(&rx.alerts.lock().expect("lock"), "LLMTokenRateAnomaly").is_empty(),
+        "no traffic, no anomaly"
+    );
+    // The surge: N requests through each gateway at once.
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for gw in &gws {
+        for _ in 0..N {
+            let u = gw.url("/v1/chat/completions");
+            tasks.spawn(async move {
+                let (st, _, body) = post_json(&u, &chat(), &[]).await;
+                assert_eq!(st, 200);
+                tokens_of(&body)
+            });
+        }
+    }
+    let mut sent = 0;
+    while let Some(t) = tasks.join_next().await {
+        sent += t.expect("request");
+    }
+    assert_eq!(sent, 3 * N * per_request);
+    let burst = started.elapsed();
+    assert!(
+        burst < Duration::from_secs(WINDOW_S - 1),
+        "the surge took {burst:?}: not inside one rate window (machine too slow?)"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while firing(&rx.alerts.lock().expect("lock"), "LLMTokenRateAnomaly").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "no token anomaly for the fleet's surge: {:#?}",
+            rx.alerts.lock().expect("lock")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let alerts = rx.alerts.lock().expect("lock").clone();
+    let fired = firing(&alerts, "LLMTokenRateAnomaly");
+    assert_eq!(fired.len(), 1, "one incident, one alert: {alerts:#?}");
+    assert_eq!(fired[0]["labels"]["model"], "mock-llm", "{alerts:#?}");
+    for gw in gws {
+        gw.stop();
+    }
+}

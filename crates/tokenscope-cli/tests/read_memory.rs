@@ -301,7 +301,12 @@ fn assert_dashboard_flat(kind: &str, now: i64, small: (i64, Value), big: (i64, V
             .filter(|r| (r.created_at as f64) >= until - 7.0 * 86_400e6)
             .count() as u64
     };
-    assert_eq!(small.1["summary"]["requests"], in_7d(N), "{kind}: {}", small.1);
+    assert_eq!(
+        small.1["summary"]["requests"],
+        in_7d(N),
+        "{kind}: {}",
+        small.1
+    );
     assert_eq!(big.1["summary"]["requests"], in_7d(10 * N), "{kind}");
     assert_eq!(
         big.1["slowest"].as_array().map(Vec::len),

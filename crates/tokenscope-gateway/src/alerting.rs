@@ -43,7 +43,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Weak};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokenscope_analysis::alerts::{
-    AlertEvaluator, AlertSample, EvaluatorOptions, Notification, NotificationState,
+    AlertEvaluator, AlertSample, EvaluatorOptions, FleetTokens, Notification, NotificationState,
 };
 use tokenscope_core::RequestRecord;
 
@@ -78,7 +78,13 @@ struct Feed {
     health: std::sync::OnceLock<HealthFn>,
     /// The fleet's claims, set when `[fleet]` is on with a store that can hold them.
     claims: std::sync::OnceLock<ClaimFn>,
+    /// The fleet's token sums (`[fleet]` refresh) and when they were read.
+    fleet_tokens: Mutex<Option<(std::time::Instant, FleetTokens)>>,
 }
+
+/// Fleet token sums older than this are not used (the store has not been read for that long:
+/// the token anomaly falls back to this replica's own requests).
+const FLEET_TOKENS_STALE: std::time::Duration = std::time::Duration::from_secs(60);
 
 type HealthFn = Box<dyn Fn() -> tokenscope_analysis::alerts::SelfHealth + Send + Sync>;
 
@@ -143,6 +149,19 @@ impl Alerting {
     pub(crate) fn set_claims(&self, claims: ClaimFn) {
         if let Some(feed) = &self.feed {
             let _ = feed.claims.set(claims);
+        }
+    }
+
+    /// Whether alerting is on (a webhook is configured).
+    pub(crate) fn is_on(&self) -> bool {
+        self.feed.is_some()
+    }
+
+    /// The fleet's latest token sums (from the `[fleet]` refresh), used by the token anomaly
+    /// until they are [`FLEET_TOKENS_STALE`].
+    pub(crate) fn set_fleet_tokens(&self, tokens: FleetTokens) {
+        if let Some(feed) = &self.feed {
+            *feed.fleet_tokens.lock() = Some((std::time::Instant::now(), tokens));
         }
     }
 
@@ -238,6 +257,7 @@ pub(crate) fn start(
         budgets: std::sync::OnceLock::new(),
         health: std::sync::OnceLock::new(),
         claims: std::sync::OnceLock::new(),
+        fleet_tokens: Mutex::new(None),
     });
     let evaluator = AlertEvaluator::new(
         section.thresholds.clone(),
@@ -296,7 +316,14 @@ async fn run(
         let budget = f.budget_usage();
         let health = f.health.get().map(|h| h());
         let claims = f.claims.get().cloned();
+        let fleet_tokens = f
+            .fleet_tokens
+            .lock()
+            .as_ref()
+            .filter(|(at, _)| at.elapsed() < FLEET_TOKENS_STALE)
+            .map(|(_, t)| t.clone());
         drop(f);
+        evaluator.set_fleet_tokens(fleet_tokens);
         for s in drained {
             evaluator.push(s);
         }

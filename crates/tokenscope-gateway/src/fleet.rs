@@ -16,6 +16,12 @@
 //!   of end-to-end latency of the fleet's successful requests over the last `p99_window_s`
 //!   ([`TailSampler::set_fleet_p99`](tokenscope_trace::TailSampler::set_fleet_p99)), so a
 //!   replica that sees few requests of a key still keeps the ones slow for the fleet.
+//! * **Token rates** (with `[alerts]`): per bounded model label, the tokens of the fleet's
+//!   requests created in the alert's rate window ending at `as_of` and in its baseline window
+//!   (`baseline` long, ending `baseline` before `as_of`), so the live `LLMTokenRateAnomaly`
+//!   compares the fleet's rate with the fleet's baseline: a surge spread thinly over the
+//!   replicas fires, and the claims below make it one alert. Sums older than 60 s (the store
+//!   unreadable that long) are dropped: each replica then judges its own requests again.
 //! * **Alert claims** (ClickHouse only): before a firing alert is sent, the incident is
 //!   claimed in the store (`crate::alerting`), so one incident is one notification.
 //!
@@ -33,8 +39,10 @@ use crate::cost::FleetUsage;
 use crate::shared::Shared;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
+use tokenscope_analysis::alerts::FleetTokens;
 use tokenscope_analysis::PriceTable;
-use tokenscope_core::query::Dimension;
+use tokenscope_core::query::{Dimension, Window};
+use tokenscope_core::usage::UsageQuery;
 use tokenscope_core::InputBucket;
 use tokenscope_store::{RecordReader, ReportQuery};
 
@@ -180,6 +188,36 @@ fn refresh(shared: &Shared, reader: &mut Option<Box<dyn RecordReader>>) -> Resul
                 now,
             );
         }
+    }
+    if shared.fanout.alerting.is_on() {
+        let th = &shared.cfg.alerts.thresholds;
+        let secs = |s: u64| {
+            i64::try_from(s)
+                .unwrap_or(0)
+                .saturating_mul(1_000_000)
+                .max(1_000_000)
+        };
+        let (rate_us, base_us) = (
+            secs(th.rate_window_seconds),
+            secs(th.token_anomaly_baseline_seconds),
+        );
+        let tokens =
+            |since: i64, until: i64| -> Result<std::collections::BTreeMap<String, u64>, String> {
+                let rows = r
+                    .usage(&UsageQuery::new(Window::new(since, until), vec![]))
+                    .map_err(|e| e.to_string())?;
+                let mut out = std::collections::BTreeMap::new();
+                for row in rows {
+                    *out.entry(shared.metrics.model_label(&row.model))
+                        .or_insert(0u64) +=
+                        row.sums.input_tokens.saturating_add(row.sums.output_tokens);
+                }
+                Ok(out)
+            };
+        shared.fanout.alerting.set_fleet_tokens(FleetTokens {
+            window: tokens(as_of - rate_us, as_of)?,
+            baseline: tokens(as_of - 2 * base_us, as_of - base_us)?,
+        });
     }
     if let Some(t) = &shared.fanout.tracing {
         if t.sampler.config().slow_above_p99 {

@@ -234,6 +234,39 @@ fn knee_matches_the_mock_configuration_and_feeds_capacity() {
     );
 }
 
+/// Issue 21: 2 req/s of ~2.5 s requests on a 16-slot mock (at most 6 in flight): far under
+/// capacity, so no knee. The achieved rate used to divide by the time until the last
+/// completion (4 s + 2.5 s) and reported "achieved 1.2 < 90 %".
+#[test]
+fn long_requests_far_under_capacity_are_not_a_knee() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mock = MockProc::start(&["--time-scale", "1", "--slots", "16"]);
+    let levels = bench(&[
+        "--target",
+        &mock.url(),
+        "--rates",
+        "2",
+        "--duration",
+        "4s",
+        "--arrival",
+        "constant",
+        "--mix",
+        "16-64",
+        "--output-tokens",
+        "300",
+        "--stream",
+        "--slo-ttft-p99",
+        "2s",
+    ]);
+    let l = &levels[0];
+    assert_eq!(f(&l["requests"]), 8.0, "{l}");
+    assert_eq!(f(&l["ok"]), 8.0, "{l}");
+    assert!(f(&l["e2e_ms"]["p50"]) > 2_000.0, "long requests: {l}");
+    assert!(l["breach"].is_null(), "{l}");
+    assert_eq!(l["knee"], false, "{l}");
+    assert!(f(&l["achieved_qps"]) >= 0.9 * f(&l["offered_qps"]), "{l}");
+}
+
 #[test]
 fn concurrency_cap_drops_and_plain_responses() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

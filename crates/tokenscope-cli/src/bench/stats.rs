@@ -13,9 +13,12 @@
 //! ## Invariants
 //!
 //! * `requests = ok + failed + dropped` for every level.
-//! * `achieved_qps = ok / max(duration, last completion − level start)`: completions per second
-//!   over the time the level took to serve what it was offered (a level that cannot keep up
-//!   takes longer than its duration to drain, which lowers its achieved QPS).
+//! * `achieved_qps = ok / max(duration, last completion − level start − shortest e2e)`:
+//!   completions per second over the time the level took to serve what it was offered. A
+//!   level that cannot keep up takes longer than its duration to drain (its backlog), which
+//!   lowers its achieved QPS; a request's own service time is not backlog, so the fastest
+//!   successful request's end to end is taken off the drain — long requests at a rate far
+//!   under capacity (2 req/s of 2.5 s requests on an idle engine) are not a knee.
 //! * `offered_qps = requests / duration`: the rate actually scheduled (for Poisson arrivals
 //!   it differs from `rate` by the Poisson noise of the count, ± √(rate·duration) requests).
 //! * The knee is the lowest-rate level that breaches: P99 TTFT > SLO, or achieved QPS < 90 %
@@ -193,7 +196,18 @@ pub fn summarize(
         .filter_map(|r| r.done_after)
         .max()
         .unwrap_or_default();
-    let elapsed = last_done.max(duration).as_secs_f64();
+    // The shortest end to end a request of this level needed: no completion can come sooner
+    // after its send, so it is service time, not backlog (see the module docs).
+    let service = ok
+        .iter()
+        .filter_map(|r| r.e2e_ms)
+        .filter(|e| e.is_finite() && *e >= 0.0)
+        .fold(None, |m: Option<f64>, e| Some(m.map_or(e, |m| m.min(e))))
+        .map_or(Duration::ZERO, |ms| Duration::from_secs_f64(ms / 1e3));
+    let elapsed = last_done
+        .saturating_sub(service)
+        .max(duration)
+        .as_secs_f64();
     let ttft = Pcts::of(ok.iter().filter_map(|r| r.ttft_ms));
     let tpot = Pcts::of(ok.iter().filter_map(|r| r.tpot_ms));
     let itl = Pcts::of(ok.iter().flat_map(|r| r.itl_ms.iter().copied()));
@@ -350,11 +364,12 @@ mod tests {
             (s.requests, s.ok, s.failed, s.dropped, s.errors),
             (10, 8, 1, 1, 2)
         );
-        // The failed request finished at 3 s: elapsed = 3 s.
-        assert_eq!(s.elapsed_s, 3.0);
+        // The failed request finished at 3 s, the fastest request took 11 ms end to end:
+        // elapsed = 2.989 s.
+        assert!((s.elapsed_s - 2.989).abs() < 1e-9, "{}", s.elapsed_s);
         assert_eq!(s.offered_qps, 5.0);
-        assert!((s.achieved_qps - 8.0 / 3.0).abs() < 1e-12);
-        assert!((s.output_tokens_per_s - 40.0 / 3.0).abs() < 1e-12);
+        assert!((s.achieved_qps - 8.0 / 2.989).abs() < 1e-9);
+        assert!((s.output_tokens_per_s - 40.0 / 2.989).abs() < 1e-9);
         assert_eq!(s.ttft_ms.p50, Some(4.0));
         assert_eq!(s.ttft_p99_ms, 8.0);
         assert_eq!(s.e2e_ms.p99, Some(18.0));
@@ -371,6 +386,33 @@ mod tests {
         let s = summarize(4.0, Duration::from_secs(2), &rs, 2000.0);
         assert_eq!((s.offered_qps, s.achieved_qps), (3.5, 3.5));
         assert_eq!(s.breach, None);
+    }
+
+    #[test]
+    fn long_requests_far_under_capacity_are_not_a_knee() {
+        // Issue 21: 2 req/s for 10 s of 2.5 s requests on an idle engine. Each finishes 2.5 s
+        // after its send; the last at 12 s. Before: 20 / 12 s = 1.67 < 90 % of 2 → "knee".
+        let rs: Vec<RequestResult> = (0..20u64)
+            .map(|i| RequestResult {
+                e2e_ms: Some(2_500.0),
+                ..ok(40.0, 500 * i + 2_500)
+            })
+            .collect();
+        let s = summarize(2.0, Duration::from_secs(10), &rs, 2_000.0);
+        assert_eq!(s.offered_qps, 2.0);
+        assert!((s.achieved_qps - 2.0).abs() < 1e-9, "{}", s.achieved_qps);
+        assert_eq!(s.breach, None);
+        // A server that cannot keep up (one completion every 0.8 s, whatever the arrivals)
+        // still breaches: its backlog drains long after the schedule.
+        let rs: Vec<RequestResult> = (0..20u64)
+            .map(|i| RequestResult {
+                e2e_ms: Some(2_500.0 + 300.0 * i as f64),
+                ..ok(40.0, 2_500 + 800 * i)
+            })
+            .collect();
+        let s = summarize(2.0, Duration::from_secs(10), &rs, 2_000.0);
+        assert!(s.achieved_qps < 1.5, "{}", s.achieved_qps);
+        assert!(s.breach.is_some_and(|b| b.contains("achieved")));
     }
 
     #[test]

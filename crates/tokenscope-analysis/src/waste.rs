@@ -85,12 +85,29 @@ pub struct DuplicatePrompt {
     pub repeats: u64,
     /// Distinct callers (user, else API key, else tenant).
     pub callers: u64,
+    /// Who sent it: the callers with the most requests of this prompt, most first (at most
+    /// [`TOP_CALLERS`]), each with its business line (the one fix is at that caller).
+    pub top_callers: Vec<PromptCaller>,
     /// Input tokens of the repeats.
     pub repeat_input_tokens: u64,
     /// Input + output tokens of the repeats (response-cache saving).
     pub saved_tokens: u64,
     /// Cost of the repeats, USD.
     pub saved_usd: Option<f64>,
+}
+
+/// Callers listed per repeated prompt.
+pub const TOP_CALLERS: usize = 3;
+
+/// One caller of a repeated prompt.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PromptCaller {
+    /// User, else `key:<api key id>`, else `tenant:<tenant>`, else `(none)`.
+    pub caller: String,
+    /// Its requests with the prompt.
+    pub requests: u64,
+    /// Its business line (of its first request with the prompt), if any.
+    pub business_line: Option<String>,
 }
 
 /// Duplicates summary.
@@ -241,15 +258,34 @@ pub fn waste(
             prompt_hash: hash.to_string(),
             requests: idx.len() as u64,
             repeats: idx.len() as u64 - 1,
-            callers: idx
-                .iter()
-                .map(|&i| crate::anomalies::caller_key(ok[i]))
-                .collect::<std::collections::BTreeSet<_>>()
-                .len() as u64,
+            callers: 0,
+            top_callers: Vec::new(),
             repeat_input_tokens: 0,
             saved_tokens: 0,
             saved_usd: None,
         };
+        let mut per_caller: std::collections::BTreeMap<
+            std::borrow::Cow<'_, str>,
+            (u64, Option<&str>),
+        > = std::collections::BTreeMap::new();
+        for &i in idx {
+            let e = per_caller
+                .entry(crate::anomalies::caller_key(ok[i]))
+                .or_insert((0, ok[i].business_line.as_deref()));
+            e.0 += 1;
+        }
+        d.callers = per_caller.len() as u64;
+        let mut callers: Vec<_> = per_caller.into_iter().collect();
+        callers.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then_with(|| a.0.cmp(&b.0)));
+        d.top_callers = callers
+            .into_iter()
+            .take(TOP_CALLERS)
+            .map(|(c, (n, bl))| PromptCaller {
+                caller: c.into_owned(),
+                requests: n,
+                business_line: bl.map(str::to_owned),
+            })
+            .collect();
         for &i in &idx[1..] {
             repeat[i] = true;
             d.repeat_input_tokens += ok[i].input_tokens.unwrap_or(0);
@@ -452,6 +488,7 @@ impl Report for WasteReport {
                 "prompt hash",
                 "requests",
                 "callers",
+                "top caller (requests, line)",
                 "tokens saved",
                 "saved (USD)",
             ]);
@@ -464,6 +501,17 @@ impl Report for WasteReport {
                         .to_string(),
                     x.requests.to_string(),
                     x.callers.to_string(),
+                    x.top_callers
+                        .first()
+                        .map(|c| {
+                            format!(
+                                "{} ({}, {})",
+                                c.caller,
+                                c.requests,
+                                c.business_line.as_deref().unwrap_or("-")
+                            )
+                        })
+                        .unwrap_or_default(),
                     x.saved_tokens.to_string(),
                     usd(x.saved_usd),
                 ]);
@@ -641,6 +689,40 @@ mod tests {
         assert!((r.saving.usd.expect("priced") - expected).abs() < 1e-12);
         let table = r.render_table();
         assert!(table.contains("Estimated saving"));
+    }
+
+    #[test]
+    fn duplicates_name_their_callers() {
+        // Issue 21: sixty identical prompts from one caller (and two from another) — the
+        // report says who, with the business line.
+        let mut v: Vec<RequestRecord> = (0..62)
+            .map(|i| {
+                let mut r = rec(i, "faq", "same", 30, 10, "stop");
+                r.user_id = Some(if i < 60 { "looper" } else { "alice" }.to_owned());
+                r.business_line = Some(if i < 60 { "search" } else { "ads" }.to_owned());
+                r
+            })
+            .collect();
+        v.push(rec(99, "faq", "other", 30, 10, "stop"));
+        let r = waste(&v, w(), &prices(), &WasteOptions::default());
+        let d = &r.duplicates.top[0];
+        assert_eq!((d.requests, d.callers), (62, 2));
+        assert_eq!(
+            d.top_callers,
+            vec![
+                PromptCaller {
+                    caller: "looper".into(),
+                    requests: 60,
+                    business_line: Some("search".into())
+                },
+                PromptCaller {
+                    caller: "alice".into(),
+                    requests: 2,
+                    business_line: Some("ads".into())
+                },
+            ]
+        );
+        assert!(r.render_table().contains("looper (60, search)"));
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //!
 //! 1. **success** — `ok` outcomes / requests; problem below [`DiagnoseOptions::min_success_rate`];
 //!    the top error types with their counts.
-//! 2. **ttft** — nearest-rank P50/P99 of TTFT, overall and per input bucket; the queue share
+//! 2. **ttft** — nearest-rank P50/P99 of TTFT (when nothing was streamed: the engine's queue +
+//!    prefill where both are known, `ttft_source` says which), overall and per input bucket; the queue share
 //!    of TTFT (Σ queue / Σ TTFT over rows having both) and the prefill share; concurrency from
 //!    the request intervals `[created_at, created_at + total]` (mean = Σ durations / window,
 //!    peak by a sweep). **Starvation check**: the *long* bucket is `2048+` when it has
@@ -423,8 +424,38 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     b.th("queue_share", opts.queue_share);
     b.th("starvation_ratio", opts.starvation_ratio);
     b.th("min_samples", opts.min_samples as f64);
-    let with: Vec<&&RequestRecord> = recs.iter().filter(|r| r.ttft_ms.is_some()).collect();
+    // No gateway TTFT at all (nothing streamed): judge the requests on the engine's time to
+    // first token, queue + prefill, where the engine (or the gateway's derivation from its
+    // timings) gives both — the record's own phases, never a guess.
+    let engine_ttft: Vec<RequestRecord> = if recs.iter().all(|r| r.ttft_ms.is_none()) {
+        recs.iter()
+            .filter_map(|r| {
+                let t = r.queue_duration_ms? + r.prefill_duration_ms?;
+                let mut c = (**r).clone();
+                c.ttft_ms = Some(t);
+                Some(c)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let with: Vec<&RequestRecord> = if engine_ttft.is_empty() {
+        recs.iter()
+            .copied()
+            .filter(|r| r.ttft_ms.is_some())
+            .collect()
+    } else {
+        engine_ttft.iter().collect()
+    };
     b.ev("requests_with_ttft", json!(with.len()));
+    b.ev(
+        "ttft_source",
+        json!(if engine_ttft.is_empty() {
+            "gateway"
+        } else {
+            "engine_queue_plus_prefill"
+        }),
+    );
     // Concurrency from request intervals.
     let mut events: Vec<(i64, i32)> = Vec::with_capacity(recs.len() * 2);
     let mut busy_us = 0f64;
@@ -447,7 +478,8 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     b.ev("concurrency_peak", json!(peak));
     if with.is_empty() {
         b.step.verdict = Verdict::Unknown;
-        b.step.summary = "no request has a TTFT (none streamed?)".to_owned();
+        b.step.summary =
+            "no request has a TTFT (none streamed, and no engine queue + prefill)".to_owned();
         return b.step;
     }
     let all = sorted_values(with.iter().map(|r| r.ttft_ms));
@@ -1179,6 +1211,42 @@ mod tests {
         assert!(s.remedies.iter().any(|m| m.contains("cap prefill")));
         assert_eq!(r.conclusion.step.as_deref(), Some("ttft"));
         assert!(r.conclusion.summary.contains("2048+"));
+    }
+
+    #[test]
+    fn non_streamed_requests_are_judged_on_the_engines_time_to_first_token() {
+        // Issue 21, item 5: the starvation scenario above, nothing streamed (no gateway TTFT),
+        // the engine's queue and prefill on every record: the same verdict, from the engine.
+        let mut recs = Vec::new();
+        for k in 0..10 {
+            recs.push(rec(recs.len(), k * 10_000, 3000, 2000.0));
+            for j in 0..4 {
+                let at = k * 10_000 + 100 + j * 400;
+                recs.push(rec(recs.len(), at, 50, 900.0));
+                recs.push(rec(recs.len(), at + 5_000, 50, 30.0));
+            }
+        }
+        for r in &mut recs {
+            r.ttft_ms = None;
+            r.tpot_ms = None;
+            r.stream = false;
+        }
+        recs.sort_by_key(|r| r.created_at);
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        assert_ne!(s.verdict, Verdict::Unknown, "{s:#?}");
+        assert_eq!(
+            s.evidence["ttft_source"],
+            json!("engine_queue_plus_prefill")
+        );
+        assert_eq!(s.evidence["requests_with_ttft"], json!(90));
+        assert!(s.findings.contains(&"starvation".to_owned()), "{s:#?}");
+        // Without the engine's phases there is still nothing to judge.
+        for r in &mut recs {
+            r.prefill_duration_ms = None;
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        assert_eq!(step(&r, "ttft").verdict, Verdict::Unknown);
     }
 
     #[test]

@@ -481,9 +481,14 @@ fn overview(t: &AlertThresholds, w: &str) -> Value {
         ),
     ] {
         g.row(&format!("{name} quantiles ({w} | {LONG_WINDOW})"));
-        let short: Vec<(String, &str)> = ["p50", "p95", "p99"]
+        let short: Vec<(String, &str)> = ["p50", "p90", "p95", "p99"]
             .iter()
-            .zip(["P50 {{model}}", "P95 {{model}}", "P99 {{model}}"])
+            .zip([
+                "P50 {{model}}",
+                "P90 {{model}}",
+                "P95 {{model}}",
+                "P99 {{model}}",
+            ])
             .map(|(q, legend)| (format!("llm:{recorded}:{q}_{w}{{{M}}}"), legend))
             .collect();
         g.add(
@@ -491,13 +496,18 @@ fn overview(t: &AlertThresholds, w: &str) -> Value {
             8,
             prom(
                 Viz::TimeSeries,
-                &format!("{name} P50 / P95 / P99 — {w}"),
+                &format!("{name} P50 / P90 / P95 / P99 — {w}"),
                 &format!("{name} ({unit_note}); recorded series of the exported rules"),
                 "s",
                 &short,
             ),
         );
-        let long: Vec<(String, &str)> = [("0.5", "P50 {{model}}"), ("0.95", "P95 {{model}}"), ("0.99", "P99 {{model}}")]
+        let long: Vec<(String, &str)> = [
+            ("0.5", "P50 {{model}}"),
+            ("0.9", "P90 {{model}}"),
+            ("0.95", "P95 {{model}}"),
+            ("0.99", "P99 {{model}}"),
+        ]
             .iter()
             .map(|(q, legend)| {
                 (
@@ -513,7 +523,7 @@ fn overview(t: &AlertThresholds, w: &str) -> Value {
             8,
             prom(
                 Viz::TimeSeries,
-                &format!("{name} P50 / P95 / P99 — {LONG_WINDOW}"),
+                &format!("{name} P50 / P90 / P95 / P99 — {LONG_WINDOW}"),
                 &format!("{name} ({unit_note}) over {LONG_WINDOW}"),
                 "s",
                 &long,

@@ -145,7 +145,7 @@ pub fn prometheus_rules(t: &AlertThresholds) -> String {
         ("llm_ttft_seconds", "ttft_seconds"),
         ("llm_tpot_seconds", "tpot_seconds"),
     ] {
-        for (qv, qn) in [(0.5, "p50"), (0.95, "p95"), (0.99, "p99")] {
+        for (qv, qn) in [(0.5, "p50"), (0.9, "p90"), (0.95, "p95"), (0.99, "p99")] {
             rec(
                 &mut out,
                 &format!("llm:{short}:{qn}_{w}"),

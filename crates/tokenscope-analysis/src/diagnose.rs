@@ -21,19 +21,29 @@
 //!    [`DiagnoseOptions::starvation_ratio`], the finding is `starvation` ("long prompts starve
 //!    short ones") naming the long bucket. `queueing` when the queue share ≥
 //!    [`DiagnoseOptions::queue_share`], and before it `queue_kv_bound` (the queue is the KV
-//!    cache's: admission waits for cache room) when, without starvation, the requests' engine
-//!    state at arrival shows KV-cache usage P90 ≥ [`DiagnoseOptions::kv_high`], a small batch
-//!    (P50 running ≤ [`DiagnoseOptions::small_batch`]) and at least one request waiting — what
-//!    a real vLLM shows with too small a cache: its batch stays small and the queue grows, while
-//!    TPOT need not rise; `slow_ttft` when P99 TTFT > [`DiagnoseOptions::ttft_p99_ms`]
+//!    cache's: admission waits for cache room) when, without starvation, the queue share or
+//!    the P99 TTFT is beyond its threshold, at least one request was waiting and the KV cache
+//!    *holds the batch* (below); `slow_ttft` when P99 TTFT > [`DiagnoseOptions::ttft_p99_ms`]
 //!    (with `prefill_bound` when the prefill share dominates instead). Any finding → problem.
 //! 3. **tpot** — P50/P99 of TPOT; decode share (Σ decode / Σ total); KV-cache usage at
 //!    arrival (P50/P90 of `engine_kv_usage`); batch size proxy (`engine_running` at arrival:
 //!    mean, P50, max); GPU memory bandwidth P50 when known. Problem when P99 TPOT >
-//!    [`DiagnoseOptions::tpot_p99_ms`]; the finding is `decode_kv_bound` when also KV P90 ≥
-//!    [`DiagnoseOptions::kv_high`] and the batch is small (P50 running ≤
-//!    [`DiagnoseOptions::small_batch`]), `memory_bandwidth_bound` when bandwidth P50 ≥ 0.8,
-//!    `decode_batch_bound` when the batch is large, else `slow_decode`.
+//!    [`DiagnoseOptions::tpot_p99_ms`]; the finding is `decode_kv_bound` when the KV cache
+//!    holds the batch, `memory_bandwidth_bound` when bandwidth P50 ≥ 0.8, `decode_batch_bound`
+//!    when the batch is large (P50 running > [`DiagnoseOptions::small_batch`]) and the cache is
+//!    not what holds it, else `slow_decode`.
+//!
+//! **What holds the batch.** A batch is judged against what the engine can run: the configured
+//! maximum ([`DiagnoseOptions::max_batch`], `--max-batch`) or, without one, the largest
+//! `engine_running` seen in the window (`batch_limit`, `batch_limit_source`). The KV cache
+//! holds it (`batch_held_by: kv_cache`) when KV P90 ≥ [`DiagnoseOptions::kv_high`] and either
+//! the batch is small in absolute terms (P50 running ≤ [`DiagnoseOptions::small_batch`]) or
+//! requests waited while the batch was below 90 % of the configured maximum (a slot was free,
+//! cache room was not; with no configured maximum a near-full cache with requests waiting is
+//! taken as the cache's). The slots hold it (`slots`) when the cache is not near full, requests
+//! waited and the batch is at ≥ 90 % of its maximum. Where GPU telemetry is known, GPU P50 ≥
+//! 90 % busy at ≤ 50 % memory bandwidth is named with a cache-held batch (the article's case).
+//! A cache-held batch never gets "lower max_num_seqs": the slots are not what limits it.
 //! 4. **tokens** — top callers (`user_id`, else `tenant`, else `(unknown)`) by input + output
 //!    tokens with their share; tokens per request in the first vs the second half of the
 //!    window. Problem (`token_growth`) when the ratio ≥ [`DiagnoseOptions::token_growth_ratio`]
@@ -84,8 +94,13 @@ pub struct DiagnoseOptions {
     pub tpot_p99_ms: f64,
     /// KV-cache usage P90 at or above this is "near full". Default 0.9.
     pub kv_high: f64,
-    /// Running requests (P50 at arrival) at or below this is a small batch. Default 4.
+    /// Running requests (P50 at arrival) at or below this is a small batch in absolute terms.
+    /// Default 4.
     pub small_batch: f64,
+    /// The most requests the engine may run at once as configured (vLLM `max_num_seqs`,
+    /// llama.cpp `-np`, SGLang `max_running_requests`). `None`: the largest `engine_running`
+    /// seen in the window stands in for it. Default `None`.
+    pub max_batch: Option<f64>,
     /// Second-half / first-half tokens per request at or above this is abnormal growth.
     /// Default 2.0.
     pub token_growth_ratio: f64,
@@ -108,6 +123,7 @@ impl Default for DiagnoseOptions {
             tpot_p99_ms: 50.0,
             kv_high: 0.9,
             small_batch: 4.0,
+            max_batch: None,
             token_growth_ratio: 2.0,
             gateway_overhead_p99_ms: 50.0,
             network_p99_ms: 500.0,
@@ -599,40 +615,38 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
             rat
         ));
     }
-    // Engine state at arrival: a queue that forms while the KV cache is near full and the
-    // batch is small is the KV cache's (admission waits for cache room, not for a slot).
-    let kv = sorted_values(with.iter().map(|r| r.engine_kv_usage));
-    let running = sorted_values(with.iter().map(|r| r.engine_running));
-    let waiting = sorted_values(with.iter().map(|r| r.engine_waiting));
-    let (kv90, run50, wait_max) = (
-        percentile(&kv, 0.9),
-        percentile(&running, 0.5),
-        waiting.last().copied(),
-    );
-    if !kv.is_empty() {
-        b.ev("kv_usage_p90", num(kv90));
-        b.ev("running_p50", num(run50));
-        b.ev("waiting_max", num(wait_max));
+    // Engine state at arrival: a queue that forms while the KV cache holds the batch is the
+    // cache's (admission waits for cache room, not for a slot).
+    let lim = BatchLimit::of(&with, opts);
+    if lim.kv90.is_some() || lim.run50.is_some() {
+        b.ev("kv_usage_p90", num(lim.kv90));
+        b.ev("running_p50", num(lim.run50));
+        b.ev("waiting_max", num(lim.wait_max));
+        lim.evidence(&mut b);
     }
-    let kv_bound = queueing
+    let kv_bound = (queueing || slow)
         && starvation.is_none()
-        && kv90.is_some_and(|k| k >= opts.kv_high)
-        && run50.is_some_and(|r| r <= opts.small_batch)
-        && wait_max.is_some_and(|w| w >= 1.0);
+        && lim.kv_held
+        && lim.wait_max.is_some_and(|w| w >= 1.0);
     if kv_bound {
         b.find("queue_kv_bound", &kv_remedies());
         parts.push(format!(
-            "queueing behind a full KV cache: {:.0}% of TTFT is spent waiting in the engine queue while KV-cache usage at arrival is P90 {:.2} ≥ {:.2} with small batches (P50 running {:.1} ≤ {:.0}) and up to {:.0} requests waiting",
-            queue_share.unwrap_or(0.0) * 100.0,
-            kv90.unwrap_or(0.0),
-            opts.kv_high,
-            run50.unwrap_or(0.0),
-            opts.small_batch,
-            wait_max.unwrap_or(0.0)
+            "admission waits for KV-cache room: {}",
+            lim.kv_phrase(opts)
         ));
-        b.find("queueing", std::slice::from_ref(&limit));
+        if queueing {
+            b.find("queueing", std::slice::from_ref(&limit));
+            parts.push(format!(
+                "{:.0}% of TTFT is spent waiting in the engine queue",
+                queue_share.unwrap_or(0.0) * 100.0
+            ));
+        }
     } else if queueing {
-        b.find("queueing", &[limit.clone(), cap.clone()]);
+        let mut rem = vec![limit.clone(), cap.clone()];
+        if lim.at_slots {
+            rem.insert(0, "the batch is at its slot limit: raise the engine's maximum batch (max_num_seqs / -np) if the KV cache has room, or add replicas".to_owned());
+        }
+        b.find("queueing", &rem);
         parts.push(format!(
             "queueing: {:.0}% of TTFT is spent waiting in the engine queue",
             queue_share.unwrap_or(0.0) * 100.0
@@ -640,7 +654,9 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     }
     if slow {
         let prefill_bound = !queueing && prefill_share.is_some_and(|s| s >= 0.5);
-        if prefill_bound {
+        if kv_bound {
+            // Named above; the remedies are the cache's.
+        } else if prefill_bound {
             b.find(
                 "prefill_bound",
                 &[
@@ -668,6 +684,138 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
         parts.join("; ")
     };
     b.step
+}
+
+/// What holds the engine's batch where it is, from the engine state at the requests' arrival.
+///
+/// A batch is judged against what the engine can run — the configured maximum
+/// ([`DiagnoseOptions::max_batch`]) or, without one, the largest batch seen in the window —
+/// never against an absolute size alone: a full KV cache on a 64-slot engine holds the batch at
+/// 15, far above "small" and far below the slots.
+#[derive(Debug, Clone, Copy)]
+struct BatchLimit {
+    /// The maximum the batch is judged against, and where it comes from.
+    limit: Option<f64>,
+    configured: bool,
+    run50: Option<f64>,
+    kv90: Option<f64>,
+    wait_max: Option<f64>,
+    gpu_util50: Option<f64>,
+    bw50: Option<f64>,
+    /// The KV cache is what limits: near full, and the batch small or requests waiting while
+    /// it is below the configured maximum (a slot is free, cache room is not).
+    kv_held: bool,
+    /// The slot limit is what limits: the batch at ≥ 90 % of its maximum with requests waiting
+    /// and the cache not near full.
+    at_slots: bool,
+    /// The article's signature of a cache-held batch: GPU busy (P50 ≥ 0.9), memory bandwidth
+    /// low (P50 ≤ 0.5).
+    busy_low_bandwidth: bool,
+}
+
+impl BatchLimit {
+    fn of(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Self {
+        let kv = sorted_values(recs.iter().map(|r| r.engine_kv_usage));
+        let running = sorted_values(recs.iter().map(|r| r.engine_running));
+        let waiting = sorted_values(recs.iter().map(|r| r.engine_waiting));
+        let gpu = sorted_values(recs.iter().map(|r| r.gpu_utilization));
+        let bw = sorted_values(recs.iter().map(|r| r.gpu_memory_bandwidth));
+        let configured = opts.max_batch.filter(|m| m.is_finite() && *m > 0.0);
+        let limit = configured.or_else(|| running.last().copied().filter(|m| *m > 0.0));
+        let (run50, kv90, wait_max) = (
+            percentile(&running, 0.5),
+            percentile(&kv, 0.9),
+            waiting.last().copied(),
+        );
+        let (gpu_util50, bw50) = (percentile(&gpu, 0.5), percentile(&bw, 0.5));
+        let kv_full = kv90.is_some_and(|k| k >= opts.kv_high);
+        let waited = wait_max.is_some_and(|w| w >= 1.0);
+        let small = run50.is_some_and(|r| r <= opts.small_batch);
+        let below_slots = match (configured, run50) {
+            (Some(c), Some(r)) => r < 0.9 * c,
+            // No configured maximum: with the cache near full and requests waiting, the cache
+            // is what refuses them (the slot limit is not known to be reached).
+            (None, Some(_)) => true,
+            _ => false,
+        };
+        let kv_held = kv_full && (small || (waited && below_slots));
+        let at_slots = !kv_held
+            && waited
+            && matches!((limit, run50), (Some(l), Some(r)) if r >= 0.9 * l)
+            && !kv_full;
+        let busy_low_bandwidth =
+            gpu_util50.is_some_and(|g| g >= 0.9) && bw50.is_some_and(|b| b <= 0.5);
+        Self {
+            limit,
+            configured: configured.is_some(),
+            run50,
+            kv90,
+            wait_max,
+            gpu_util50,
+            bw50,
+            kv_held,
+            at_slots,
+            busy_low_bandwidth,
+        }
+    }
+
+    fn evidence(&self, b: &mut StepBuilder) {
+        b.ev("batch_limit", num(self.limit));
+        b.ev(
+            "batch_limit_source",
+            json!(match (self.limit, self.configured) {
+                (None, _) => "unknown",
+                (Some(_), true) => "configured",
+                (Some(_), false) => "observed",
+            }),
+        );
+        b.ev(
+            "batch_fill",
+            num(match (self.run50, self.limit) {
+                (Some(r), Some(l)) => Some(r4(r / l)),
+                _ => None,
+            }),
+        );
+        b.ev(
+            "batch_held_by",
+            json!(if self.kv_held {
+                "kv_cache"
+            } else if self.at_slots {
+                "slots"
+            } else {
+                "none"
+            }),
+        );
+        if self.gpu_util50.is_some() {
+            b.ev("gpu_utilization_p50", num(self.gpu_util50));
+        }
+    }
+
+    /// "KV usage P90 0.95 ≥ 0.90, batch P50 15 of 64 (configured) with up to 9 waiting".
+    fn kv_phrase(&self, opts: &DiagnoseOptions) -> String {
+        let of = match (self.limit, self.configured) {
+            (Some(l), true) => format!(" of {l:.0} allowed"),
+            (Some(l), false) => format!(" (largest seen {l:.0})"),
+            (None, _) => String::new(),
+        };
+        let mut s = format!(
+            "KV-cache usage P90 {:.2} ≥ {:.2} holds the batch at P50 {:.1}{of}",
+            self.kv90.unwrap_or(0.0),
+            opts.kv_high,
+            self.run50.unwrap_or(0.0),
+        );
+        if let Some(w) = self.wait_max.filter(|w| *w >= 1.0) {
+            s.push_str(&format!(" with up to {w:.0} requests waiting"));
+        }
+        if self.busy_low_bandwidth {
+            s.push_str(&format!(
+                "; GPU {:.0}% busy at {:.0}% memory bandwidth: the batch is too small to use it",
+                self.gpu_util50.unwrap_or(0.0) * 100.0,
+                self.bw50.unwrap_or(0.0) * 100.0
+            ));
+        }
+        s
+    }
 }
 
 /// What frees or enlarges the KV cache.
@@ -708,6 +856,7 @@ fn tpot_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
     b.ev("running_p50", num(percentile(&running, 0.5)));
     b.ev("running_max", num(running.last().copied()));
     b.ev("gpu_memory_bandwidth_p50", num(percentile(&bw, 0.5)));
+    BatchLimit::of(recs, opts).evidence(&mut b);
     if tpot.is_empty() {
         b.step.verdict = Verdict::Unknown;
         b.step.summary = "no request has a TPOT (none streamed ≥ 2 tokens?)".to_owned();
@@ -727,21 +876,15 @@ fn tpot_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
         );
         return b.step;
     }
-    let kv90 = percentile(&kv, 0.9);
-    let run50 = percentile(&running, 0.5);
-    let kv_full = kv90.is_some_and(|k| k >= opts.kv_high);
-    let small = run50.is_some_and(|r| r <= opts.small_batch);
-    let bw_high = percentile(&bw, 0.5).is_some_and(|x| x >= 0.8);
-    if kv_full && small {
+    let lim = BatchLimit::of(recs, opts);
+    let bw_high = lim.bw50.is_some_and(|x| x >= 0.8);
+    if lim.kv_held {
         b.find("decode_kv_bound", &kv_remedies());
         b.step.summary = format!(
-            "decode bound by the KV cache: P99 TPOT {:.1} ms > {:.0} ms with KV usage P90 {:.2} ≥ {:.2} and small batches (P50 running {:.1} ≤ {:.0})",
+            "decode bound by the KV cache: P99 TPOT {:.1} ms > {:.0} ms; {}",
             p99v,
             opts.tpot_p99_ms,
-            kv90.unwrap_or(0.0),
-            opts.kv_high,
-            run50.unwrap_or(0.0),
-            opts.small_batch
+            lim.kv_phrase(opts)
         );
     } else if bw_high {
         b.find(
@@ -756,7 +899,7 @@ fn tpot_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
             "decode bound by GPU memory bandwidth: P99 TPOT {p99v:.1} ms > {:.0} ms",
             opts.tpot_p99_ms
         );
-    } else if run50.is_some_and(|r| r > opts.small_batch) {
+    } else if lim.run50.is_some_and(|r| r > opts.small_batch) {
         b.find(
             "decode_batch_bound",
             &[
@@ -767,7 +910,7 @@ fn tpot_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
         b.step.summary = format!(
             "decode slowed by large batches: P99 TPOT {p99v:.1} ms > {:.0} ms, P50 running {:.1}",
             opts.tpot_p99_ms,
-            run50.unwrap_or(0.0)
+            lim.run50.unwrap_or(0.0)
         );
     } else {
         b.find(
@@ -1378,7 +1521,10 @@ mod tests {
         assert_eq!(step(&r, "tpot").verdict, Verdict::Ok);
         assert_eq!(r.conclusion.step.as_deref(), Some("ttft"));
         assert!(
-            r.conclusion.summary.contains("full KV cache"),
+            r.conclusion
+                .summary
+                .contains("admission waits for KV-cache room")
+                && r.conclusion.summary.contains("up to 4 requests waiting"),
             "{}",
             r.conclusion.summary
         );
@@ -1388,13 +1534,103 @@ mod tests {
         }
         let r = diagnose(&recs, W, &DiagnoseOptions::default());
         assert_eq!(step(&r, "ttft").findings, vec!["queueing".to_owned()]);
-        // A large batch: not the cache's either.
+        // A batch at the engine's configured maximum: the slots are full too, so the cache is
+        // not known to be what holds it.
         for r in &mut recs {
             r.engine_waiting = Some(4.0);
             r.engine_running = Some(32.0);
         }
-        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let opts = DiagnoseOptions {
+            max_batch: Some(32.0),
+            ..DiagnoseOptions::default()
+        };
+        let r = diagnose(&recs, W, &opts);
         assert_eq!(step(&r, "ttft").findings, vec!["queueing".to_owned()]);
+        // The same batch of 32 on an engine allowed 64: a slot is free, cache room is not.
+        let opts = DiagnoseOptions {
+            max_batch: Some(64.0),
+            ..DiagnoseOptions::default()
+        };
+        let r = diagnose(&recs, W, &opts);
+        let s = step(&r, "ttft");
+        assert_eq!(s.findings[0], "queue_kv_bound");
+        assert_eq!(s.evidence["batch_held_by"], json!("kv_cache"));
+        assert_eq!(s.evidence["batch_fill"], json!(0.5));
+    }
+
+    #[test]
+    fn a_batch_held_by_the_cache_far_above_small_is_kv_bound() {
+        // Issue 21, case 3: 64 slots, the cache full at ~15 running, requests waiting, TPOT
+        // high. Absolute "small" (≤ 4) would call it decode_batch_bound → "lower max_num_seqs".
+        let mut recs: Vec<_> = (0..40)
+            .map(|i| rec(i, i as i64 * 1000, 3000, 900.0))
+            .collect();
+        for (i, r) in recs.iter_mut().enumerate() {
+            r.tpot_ms = Some(90.0);
+            r.queue_duration_ms = Some(600.0);
+            r.prefill_duration_ms = Some(300.0);
+            r.engine_kv_usage = Some(0.96);
+            r.engine_running = Some(14.0 + (i % 3) as f64);
+            r.engine_waiting = Some(9.0);
+            r.gpu_utilization = Some(0.95);
+            r.gpu_memory_bandwidth = Some(0.4);
+        }
+        for max_batch in [None, Some(64.0)] {
+            let opts = DiagnoseOptions {
+                max_batch,
+                ..DiagnoseOptions::default()
+            };
+            let r = diagnose(&recs, W, &opts);
+            let t = step(&r, "tpot");
+            assert_eq!(t.findings, vec!["decode_kv_bound".to_owned()]);
+            assert_eq!(t.evidence["batch_held_by"], json!("kv_cache"));
+            assert!(
+                t.summary.contains("GPU 95% busy at 40% memory bandwidth"),
+                "{}",
+                t.summary
+            );
+            assert_eq!(r.conclusion.step.as_deref(), Some("tpot"));
+            for s in &r.steps {
+                assert!(!s
+                    .remedies
+                    .iter()
+                    .any(|m| m.contains("max_num_seqs) for latency")));
+                assert!(!s.findings.iter().any(|f| f == "decode_batch_bound"));
+            }
+            let q = step(&r, "ttft");
+            assert_eq!(q.findings[0], "queue_kv_bound");
+        }
+        let r = diagnose(
+            &recs,
+            W,
+            &DiagnoseOptions {
+                max_batch: Some(64.0),
+                ..DiagnoseOptions::default()
+            },
+        );
+        assert_eq!(
+            step(&r, "tpot").evidence["batch_limit_source"],
+            json!("configured")
+        );
+        assert_eq!(step(&r, "tpot").evidence["batch_fill"], json!(0.2344));
+        // The same shape with room in the cache and the batch at its 16 slots: the slots hold
+        // it, and the queue's first remedy is a larger maximum batch.
+        for r in &mut recs {
+            r.engine_kv_usage = Some(0.5);
+            r.tpot_ms = Some(20.0);
+        }
+        let r = diagnose(
+            &recs,
+            W,
+            &DiagnoseOptions {
+                max_batch: Some(16.0),
+                ..DiagnoseOptions::default()
+            },
+        );
+        let q = step(&r, "ttft");
+        assert_eq!(q.evidence["batch_held_by"], json!("slots"));
+        assert_eq!(q.findings[0], "queueing");
+        assert!(q.remedies[0].contains("raise the engine's maximum batch"));
     }
 
     #[test]

@@ -235,3 +235,84 @@ async fn healthy_run_is_healthy() {
         assert!(table.contains(s), "{table}");
     }
 }
+
+/// Issue 21, case 3 as seen: 64 slots and a 48k-token KV cache under 3k-token prompts. About
+/// 15 requests fit the cache at once, so the batch sits far above an absolute "small batch"
+/// (4) and far below the engine's 64 slots: the cache, not the slots, holds it there. The
+/// verdict must name the KV cache, and no remedy may be "lower max_num_seqs" (a batch held by
+/// the cache gets nothing from a lower slot limit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_held_by_the_kv_cache_far_below_the_slots_names_the_cache() {
+    // Each decode step reads the resident KV: (8 + 0.5 × 14 + 0.01 × ~45 000) ms × 0.1 ≈
+    // 46 ms per token, against a 5 ms (scaled 50 ms) TPOT threshold.
+    let mock = MockProc::start(&[
+        "--time-scale",
+        "0.1",
+        "--slots",
+        "64",
+        "--kv-tokens",
+        "48000",
+        "--decode-ms-per-kv-token",
+        "0.01",
+    ]);
+    let dir = tempfile::tempdir().expect("tmp");
+    let cfg = config(dir.path(), &mock.url());
+    let gw = GatewayProc::start_with_args(None, &["--config", &cfg], &[]);
+    let url = gw.url("/v1/chat/completions");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = unix_s();
+    let mut tasks = Vec::new();
+    // 24 closed-loop clients of 3,000-token prompts: ~15 fit, the rest wait for cache room.
+    for _ in 0..24 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..3 {
+                let s = stream(&url, &chat(1498, 16), &[], None).await;
+                assert_eq!(s.status, 200);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    let t1 = unix_s();
+    let (db, _dir) = gw.stop();
+    let store = db.to_string_lossy().into_owned();
+    let scaled = ["--tpot-p99", "5ms", "--ttft-p99", "200ms"];
+    // Without the configured maximum (the observed one is used) and with it (`--max-batch`).
+    for extra in [&[][..], &["--max-batch", "64"][..]] {
+        let args: Vec<&str> = scaled.iter().chain(extra).copied().collect();
+        let (r, text) = diagnose(&store, t0, t1, &args);
+        assert_eq!(r["requests"], 72, "{text}");
+        let tpot = step(&r, "tpot");
+        assert_eq!(tpot["verdict"], "problem", "{text}");
+        assert_eq!(tpot["findings"], json!(["decode_kv_bound"]), "{text}");
+        let run50 = tpot["evidence"]["running_p50"].as_f64().expect("running");
+        assert!(run50 > 4.0 && run50 < 32.0, "{text}");
+        assert!(tpot["evidence"]["kv_usage_p90"].as_f64().expect("kv") >= 0.9);
+        assert!(tpot["summary"]
+            .as_str()
+            .expect("summary")
+            .contains("KV cache"));
+        if extra.is_empty() {
+            assert_eq!(tpot["evidence"]["batch_limit_source"], "observed", "{text}");
+        } else {
+            assert_eq!(tpot["evidence"]["batch_limit"], 64.0, "{text}");
+            assert_eq!(tpot["evidence"]["batch_limit_source"], "configured");
+        }
+        assert_eq!(r["conclusion"]["step"], "tpot", "{text}");
+        assert_eq!(
+            r["conclusion"]["findings"],
+            json!(["decode_kv_bound"]),
+            "{text}"
+        );
+        assert!(
+            has(&r["conclusion"]["remedies"], "KV-cache quantization"),
+            "{text}"
+        );
+        for s in r["steps"].as_array().expect("steps") {
+            assert!(!has(&s["remedies"], "lower the maximum batch"), "{text}");
+            assert!(!has(&s["findings"], "decode_batch_bound"), "{text}");
+        }
+    }
+}

@@ -43,6 +43,10 @@ pub struct DiagnoseArgs {
     /// Running requests (P50 at arrival) at or below this is a small batch.
     #[arg(long, default_value_t = 4.0)]
     pub small_batch: f64,
+    /// The most requests the engine may run at once as configured (vLLM max_num_seqs,
+    /// llama.cpp -np). Without it the largest batch seen in the window stands in.
+    #[arg(long)]
+    pub max_batch: Option<f64>,
     /// P99 gateway overhead above this is a problem.
     #[arg(long, default_value = "50ms")]
     pub gateway_overhead_p99: String,
@@ -76,6 +80,7 @@ pub fn run(args: DiagnoseArgs) -> Result<()> {
         min_samples: args.min_samples,
         kv_high: args.kv_high,
         small_batch: args.small_batch,
+        max_batch: args.max_batch,
         gateway_overhead_p99_ms: ms(&args.gateway_overhead_p99, "--gateway-overhead-p99")?,
         network_p99_ms: ms(&args.network_p99, "--network-p99")?,
         ..DiagnoseOptions::default()

@@ -46,8 +46,18 @@
 //! A cache-held batch never gets "lower max_num_seqs": the slots are not what limits it.
 //! 4. **tokens** — top callers (`user_id`, else `tenant`, else `(unknown)`) by input + output
 //!    tokens with their share; tokens per request in the first vs the second half of the
-//!    window. Problem (`token_growth`) when the ratio ≥ [`DiagnoseOptions::token_growth_ratio`]
-//!    with enough samples in both halves. A dominant caller is reported, not judged.
+//!    window (`token_growth` when the ratio ≥ [`DiagnoseOptions::token_growth_ratio`] with
+//!    enough samples in both halves); and what the anomaly detector
+//!    ([`crate::anomalies`], the window's first half as baseline, default thresholds) finds:
+//!    `token_spike` (a caller's tokens per bucket ≥ 3× its own baseline; new callers are
+//!    listed only), `caller_loop` (one caller, one prompt, a fixed period, at ≥
+//!    [`DiagnoseOptions::loop_problem_rate`] requests/s; slower loops — health checks, crons —
+//!    are listed only), `duplicate_burst` (one prompt resubmitted irregularly, holding ≥ 10 %
+//!    of the window's tokens), `request_drop` (requests per bucket below half the baseline for
+//!    3+ buckets, with the requests sent during the drop that failed or were discarded, by
+//!    outcome). Spikes and drops are judged only when the first half holds ≥ 10 buckets (a
+//!    window of seconds padded with idle time is no baseline). Any finding → problem; the
+//!    summary names the caller and its business line.
 //! 5. **network** — P99 of `gateway_overhead_ms` and of an upstream connect/transfer proxy:
 //!    `upstream_headers_ms` for streamed requests (engines send headers before queueing), and
 //!    `upstream_headers_ms − (queue + prefill + decode)` (clamped at 0) for non-streamed ones
@@ -110,6 +120,9 @@ pub struct DiagnoseOptions {
     pub network_p99_ms: f64,
     /// Callers listed in the tokens step. Default 5.
     pub top_callers: usize,
+    /// A loop (one caller, one prompt, a fixed period) at or above this many requests per
+    /// second is a problem; slower ones (health checks, crons) are listed only. Default 1.
+    pub loop_problem_rate: f64,
 }
 
 impl Default for DiagnoseOptions {
@@ -128,6 +141,7 @@ impl Default for DiagnoseOptions {
             gateway_overhead_p99_ms: 50.0,
             network_p99_ms: 500.0,
             top_callers: 5,
+            loop_problem_rate: 1.0,
         }
     }
 }
@@ -929,6 +943,9 @@ fn caller(r: &RequestRecord) -> &str {
         .unwrap_or("(unknown)")
 }
 
+/// Fewest baseline buckets (the window's first half) for a spike or a drop to be judged.
+const MIN_BASELINE_BUCKETS: usize = 10;
+
 fn tokens_step(
     recs: &[&RequestRecord],
     all: &[RequestRecord],
@@ -1025,34 +1042,186 @@ fn tokens_step(
         );
         b.ev("anomaly_bursts", json!(a.bursts.len()));
     }
-    // Listed as evidence, not judged here: the first-half baseline is a rough one for sparse
-    // callers, and a fixed-period caller is not a latency problem; `tokenscope anomalies`
-    // (with a prior baseline) is the judge.
-    let noted: Vec<String> =
-        found
-            .as_ref()
-            .map(|a| {
-                a.spikes
-                    .iter()
-                    .map(|s| format!("{} spike", s.caller))
-                    .chain(a.loops.iter().map(|l| {
-                        format!("{} repeats one prompt every {:.1}s", l.caller, l.period_s)
-                    }))
-                    .chain(
-                        a.bursts
-                            .iter()
-                            .map(|b| format!("burst of {} identical prompts", b.requests)),
+    // Judged: what the anomaly detector found that costs tokens or loses requests. A spike
+    // against the caller's own first half (a new caller has no factor: listed only); a loop at
+    // ≥ `loop_problem_rate` requests/s (slower fixed-period callers — health checks, crons —
+    // are listed only); a duplicate burst holding ≥ 10 % of the window's tokens; a sudden
+    // drop, with the requests that failed or were discarded while it lasted.
+    let mut parts: Vec<String> = Vec::new();
+    let mut listed: Vec<String> = Vec::new();
+    if let Some(a) = &found {
+        // Spikes and drops compare with the window's first half: judged only when that half
+        // holds enough buckets to be a baseline (a window of seconds padded with idle time at
+        // either end is not one); else listed.
+        let based = a.settings.baseline_buckets >= MIN_BASELINE_BUCKETS;
+        let spikes: Vec<_> = a
+            .spikes
+            .iter()
+            .filter(|s| based && s.factor.is_some())
+            .collect();
+        if !spikes.is_empty() {
+            let names: Vec<String> = spikes
+                .iter()
+                .take(3)
+                .map(|s| {
+                    format!(
+                        "{} {:.1}x its baseline ({}{})",
+                        s.caller,
+                        s.peak_factor.or(s.factor).unwrap_or(0.0),
+                        s.cause,
+                        s.business_line
+                            .as_deref()
+                            .map(|l| format!(", {l}"))
+                            .unwrap_or_default()
                     )
+                })
+                .collect();
+            b.find(
+                "token_spike",
+                &[
+                    format!("look at {}: a runaway job, a retry loop or a new feature; `tokenscope anomalies` has the buckets and the top prompt", spikes[0].caller),
+                    "per-caller rate limits or budgets (`[budgets]`) so one caller cannot multiply the bill".to_owned(),
+                ],
+            );
+            parts.push(format!("token spike: {}", names.join("; ")));
+        }
+        listed.extend(
+            a.spikes
+                .iter()
+                .filter(|s| !based || s.factor.is_none())
+                .map(|s| match s.factor {
+                    Some(f) => format!("{} spike {f:.1}x", s.caller),
+                    None => format!("{} new caller", s.caller),
+                }),
+        );
+        let (fast, slow): (Vec<_>, Vec<_>) = a
+            .loops
+            .iter()
+            .partition(|l| l.period_s > 0.0 && 1.0 / l.period_s >= opts.loop_problem_rate);
+        if !fast.is_empty() {
+            let l = fast[0];
+            b.find(
+                "caller_loop",
+                &[
+                    format!("fix {}'s client: it sends one prompt every {:.2} s (a loop or an unbounded retry)", l.caller, l.period_s),
+                    "rate-limit or budget the caller; cache the answer if the repeats are intended".to_owned(),
+                ],
+            );
+            parts.push(
+                fast.iter()
                     .take(3)
-                    .collect()
-            })
-            .unwrap_or_default();
-    let noted = if noted.is_empty() {
+                    .map(|l| {
+                        format!(
+                            "{} repeats one prompt every {:.2} s ({} requests, {} tokens{})",
+                            l.caller,
+                            l.period_s,
+                            l.requests,
+                            l.tokens,
+                            l.business_line
+                                .as_deref()
+                                .map(|x| format!(", {x}"))
+                                .unwrap_or_default()
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            );
+        }
+        listed.extend(
+            slow.iter()
+                .map(|l| format!("{} repeats one prompt every {:.1}s", l.caller, l.period_s)),
+        );
+        let heavy: Vec<_> = a
+            .bursts
+            .iter()
+            .filter(|x| total > 0 && x.tokens as f64 >= 0.1 * total as f64)
+            .collect();
+        if let Some(x) = heavy.first() {
+            b.find(
+                "duplicate_burst",
+                &[
+                    "cache identical requests (an exact-match response cache, or prefix caching for the shared prompt)".to_owned(),
+                    format!("de-duplicate at the client: {}", x.callers.join(", ")),
+                ],
+            );
+            parts.push(format!(
+                "{} identical prompts within {:.1} s ({} tokens, {:.0}% of the window's; callers {})",
+                x.requests,
+                x.span_s,
+                x.tokens,
+                x.tokens as f64 * 100.0 / total as f64,
+                x.callers.join(", ")
+            ));
+        }
+        listed.extend(
+            a.bursts
+                .iter()
+                .filter(|x| !(total > 0 && x.tokens as f64 >= 0.1 * total as f64))
+                .map(|x| format!("burst of {} identical prompts", x.requests)),
+        );
+        if !based {
+            listed.extend(a.drops.iter().map(|d| format!("{} drop", d.scope)));
+        }
+        if based && !a.drops.is_empty() {
+            let mut drops = Vec::new();
+            let mut worst_failed = 0u64;
+            for d in &a.drops {
+                // The requests that were sent and did not get an answer while it lasted.
+                let mut by: BTreeMap<&'static str, u64> = BTreeMap::new();
+                let mut sent = 0u64;
+                for r in recs.iter().filter(|r| {
+                    r.created_at >= d.from_us
+                        && r.created_at < d.until_us
+                        && (d.scope == "total"
+                            || d.scope.strip_prefix("business_line:") == r.business_line.as_deref())
+                }) {
+                    sent += 1;
+                    if r.outcome != Outcome::Ok {
+                        *by.entry(r.outcome.as_str()).or_default() += 1;
+                    }
+                }
+                let failed: u64 = by.values().sum();
+                worst_failed = worst_failed.max(failed);
+                drops.push(json!({
+                    "scope": d.scope, "from_us": d.from_us, "until_us": d.until_us,
+                    "ratio": num(Some(r4(d.ratio))), "requests": sent,
+                    "not_ok": failed, "not_ok_by_outcome": by,
+                }));
+                parts.push(format!(
+                    "requests ({}) fell to {:.0}% of the baseline for {} buckets; {failed} of the {sent} sent then failed or were discarded{}",
+                    d.scope,
+                    d.ratio * 100.0,
+                    d.buckets,
+                    if by.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            " ({})",
+                            by.iter()
+                                .map(|(k, v)| format!("{k} {v}"))
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )
+                    }
+                ));
+            }
+            b.ev("anomaly_drops", Value::Array(drops));
+            b.find(
+                "request_drop",
+                &[if worst_failed > 0 {
+                    "requests are failing or being discarded during the drop: see the success step's error types and the clients' timeouts / cancellations".to_owned()
+                } else {
+                    "fewer requests arrive: check the callers of the dropped scope (a client outage, a routing change, a rate limit upstream of the gateway)".to_owned()
+                }],
+            );
+        }
+    }
+    let noted = if listed.is_empty() {
         String::new()
     } else {
         format!(
-            "; anomaly candidates: {} (check with `tokenscope anomalies`)",
-            noted.join("; ")
+            "; also seen: {} (check with `tokenscope anomalies`)",
+            listed.into_iter().take(3).collect::<Vec<_>>().join("; ")
         )
     };
     if enough && growth.is_some_and(|g| g >= opts.token_growth_ratio) {
@@ -1063,19 +1232,23 @@ fn tokens_step(
                 "set max_tokens and per-caller budgets".to_owned(),
             ],
         );
-        b.step.summary = format!(
-            "tokens per request grew {:.1}x between the window's halves{noted}",
-            growth.unwrap_or(0.0)
+        parts.insert(
+            0,
+            format!(
+                "tokens per request grew {:.1}x between the window's halves",
+                growth.unwrap_or(0.0)
+            ),
         );
-    } else {
+    }
+    b.step.summary = if parts.is_empty() {
         let lead = top
             .first()
             .map(|(c, (t, _))| format!("{c} {:.0}%", *t as f64 * 100.0 / (total.max(1)) as f64))
             .unwrap_or_default();
-        b.step.summary = format!(
-            "{total} tokens from {callers} caller(s) (top: {lead}); no abnormal growth{noted}"
-        );
-    }
+        format!("{total} tokens from {callers} caller(s) (top: {lead}); no abnormal growth, spike, loop or drop{noted}")
+    } else {
+        format!("{}{noted}", parts.join("; "))
+    };
     b.step
 }
 
@@ -1459,6 +1632,124 @@ mod tests {
             s.summary
         );
         assert_eq!(s.verdict, Verdict::Ok);
+    }
+
+    #[test]
+    fn a_fast_loop_a_spike_a_burst_and_a_drop_are_judged() {
+        // Issue 21, case 2: one caller repeating one prompt at 8/s with flat tokens per
+        // request, beside varied traffic: the tokens step is a problem naming the caller.
+        let mut recs: Vec<_> = (0..800)
+            .map(|i| {
+                let mut r = rec(i, i as i64 * 125, 100, 20.0);
+                r.user_id = Some("looper".into());
+                r.business_line = Some("search".into());
+                r.prompt_hash = Some("same".into());
+                r
+            })
+            .collect();
+        recs.extend((0..100).map(|i| {
+            let mut r = rec(1000 + i, i as i64 * 1000 + 7, 100, 20.0);
+            r.user_id = Some(format!("user{}", i % 6));
+            r.prompt_hash = Some(format!("p{i}"));
+            r
+        }));
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "tokens");
+        assert_eq!(s.verdict, Verdict::Problem, "{}", s.summary);
+        assert_eq!(s.findings, vec!["caller_loop".to_owned()], "{}", s.summary);
+        assert!(
+            s.summary
+                .contains("looper repeats one prompt every 0.12 s (800 requests"),
+            "{}",
+            s.summary
+        );
+        assert!(s.summary.contains("search"));
+        assert!(s.remedies[0].contains("fix looper's client"));
+        assert_eq!(r.conclusion.step.as_deref(), Some("tokens"));
+        assert_ne!(r.conclusion.verdict, "healthy");
+        // The same caller every 5 s is a cron: listed, not judged (see the test above).
+
+        // A spike: one caller's tokens ×10 in the second half, requests as before.
+        let spike: Vec<_> = (0..200)
+            .map(|i| {
+                let at = i as i64 * 500;
+                let input = if at >= 50_000 { 1000 } else { 100 };
+                let mut r = rec(i, at, input, 20.0);
+                r.user_id = Some("batch-job".into());
+                r.prompt_hash = Some(format!("p{i}"));
+                r
+            })
+            .collect();
+        let r = diagnose(&spike, W, &DiagnoseOptions::default());
+        let s = step(&r, "tokens");
+        assert!(
+            s.findings.contains(&"token_spike".to_owned()),
+            "{}",
+            s.summary
+        );
+        assert!(s.summary.contains("batch-job"), "{}", s.summary);
+        assert!(s.summary.contains("larger requests"), "{}", s.summary);
+
+        // A burst: 30 identical prompts in 3 s, irregular, half the window's tokens.
+        let mut burst: Vec<_> = (0..30)
+            .map(|i| {
+                let mut r = rec(i, 20_000 + (i as i64 * i as i64 * 3) % 3000, 100, 20.0);
+                r.user_id = Some(format!("u{}", i % 3));
+                r.prompt_hash = Some("dup".into());
+                r
+            })
+            .collect();
+        burst.extend((0..50).map(|i| {
+            let mut r = rec(100 + i, i as i64 * 2000, 100, 20.0);
+            r.prompt_hash = Some(format!("q{i}"));
+            r
+        }));
+        let r = diagnose(&burst, W, &DiagnoseOptions::default());
+        let s = step(&r, "tokens");
+        assert!(
+            s.findings.contains(&"duplicate_burst".to_owned()),
+            "{}",
+            s.summary
+        );
+        assert!(s.summary.contains("30 identical prompts"), "{}", s.summary);
+
+        // A drop: 10 requests/s, then for the last 40 s 2/s, and most of those fail.
+        let mut drop: Vec<RequestRecord> = Vec::new();
+        for i in 0..600usize {
+            let at = i as i64 * 100;
+            let mut r = rec(i, at, 100, 20.0);
+            r.prompt_hash = Some(format!("d{i}"));
+            drop.push(r);
+        }
+        for i in 0..80usize {
+            let at = 60_000 + i as i64 * 500;
+            let mut r = rec(1000 + i, at, 100, 20.0);
+            r.prompt_hash = Some(format!("e{i}"));
+            if i % 4 != 0 {
+                r.outcome = Outcome::Cancelled;
+            }
+            drop.push(r);
+        }
+        let r = diagnose(&drop, W, &DiagnoseOptions::default());
+        let s = step(&r, "tokens");
+        assert!(
+            s.findings.contains(&"request_drop".to_owned()),
+            "{}",
+            s.summary
+        );
+        let d = &s.evidence["anomaly_drops"][0];
+        assert_eq!(d["scope"], json!("total"));
+        assert!(d["not_ok"].as_u64().expect("n") >= 20, "{d}");
+        assert!(
+            d["not_ok_by_outcome"]["cancelled"].as_u64().is_some(),
+            "{d}"
+        );
+        assert!(
+            s.summary.contains("failed or were discarded (cancelled"),
+            "{}",
+            s.summary
+        );
+        assert!(s.remedies[0].contains("failing or being discarded"));
     }
 
     #[test]

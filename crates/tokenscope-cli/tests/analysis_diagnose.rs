@@ -199,7 +199,11 @@ async fn healthy_run_is_healthy() {
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(20 * i)).await;
-            stream(&url, &chat(20, 8), &[], None).await.status
+            // Distinct prompts: sixty identical ones in 1.2 s are a duplicate burst.
+            let mut body = chat(20, 8);
+            body["messages"][0]["content"] =
+                json!(format!("question {i}: {}", "abcdefgh ".repeat(20)));
+            stream(&url, &body, &[], None).await.status
         }));
     }
     for t in tasks {
@@ -315,4 +319,67 @@ async fn a_batch_held_by_the_kv_cache_far_below_the_slots_names_the_cache() {
             assert!(!has(&s["findings"], "decode_batch_bound"), "{text}");
         }
     }
+}
+
+/// Issue 21, case 2 as seen: one caller repeating one prompt at 8/s with flat tokens per
+/// request, beside ordinary traffic of varied prompts. Tokens per request do not grow, so the
+/// tree's old token step said "healthy"; the detector's loop must make it a problem that names
+/// the caller and its business line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_caller_looping_on_one_prompt_is_not_healthy() {
+    let mock = MockProc::start(&["--time-scale", "0.05"]);
+    let gw = GatewayProc::start(&mock.url(), &[]);
+    let url = gw.url("/v1/chat/completions");
+    let t0 = unix_s();
+    let looper = {
+        let url = url.clone();
+        tokio::spawn(async move {
+            // 8/s on a fixed schedule (an interval, so a slow reply does not shift the period).
+            let mut tick = tokio::time::interval(Duration::from_millis(125));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            for _ in 0..48 {
+                tick.tick().await;
+                let body = chat(40, 8);
+                let hs = [
+                    ("x-tokenscope-user", "looper"),
+                    ("x-tokenscope-business-line", "search"),
+                ];
+                assert_eq!(stream(&url, &body, &hs, None).await.status, 200);
+            }
+        })
+    };
+    let mut others = Vec::new();
+    for i in 0..24u64 {
+        let url = url.clone();
+        others.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(250 * i)).await;
+            let mut body = chat(30 + (i as usize % 7) * 5, 8);
+            body["messages"][0]["content"] =
+                json!(format!("question {i}: {}", "words ".repeat(30)));
+            let user = format!("user{}", i % 4);
+            let hs = [("x-tokenscope-user", user.as_str())];
+            assert_eq!(stream(&url, &body, &hs, None).await.status, 200);
+        }));
+    }
+    looper.await.expect("looper");
+    for t in others {
+        t.await.expect("task");
+    }
+    let t1 = unix_s();
+    let (db, _dir) = gw.stop();
+    let (r, text) = diagnose(&db.to_string_lossy(), t0, t1, &[]);
+    assert_eq!(r["requests"], 72, "{text}");
+    let tokens = step(&r, "tokens");
+    // Tokens per request are flat: not token growth.
+    assert!(!has(&tokens["findings"], "token_growth"), "{text}");
+    assert_eq!(tokens["verdict"], "problem", "{text}");
+    assert!(has(&tokens["findings"], "caller_loop"), "{text}");
+    let summary = tokens["summary"].as_str().expect("summary");
+    assert!(
+        summary.contains("looper repeats one prompt every 0.1"),
+        "{text}"
+    );
+    assert!(summary.contains("search"), "{text}");
+    assert_ne!(r["conclusion"]["verdict"], "healthy", "{text}");
+    assert!(has(&tokens["remedies"], "fix looper's client"), "{text}");
 }

@@ -116,6 +116,13 @@ pub fn encode_row(buf: &mut Vec<u8>, r: &RequestRecord, row_version: u64) {
     put_opt_str(buf, r.client_request_id.as_deref());
     put_opt_u64(buf, r.cache_creation_tokens);
     put_str(buf, &r.replica);
+    put_opt_u64(buf, r.blocked_by_requests);
+    put_opt_u64(buf, r.blocked_by_prompt_tokens);
+    put_opt_f64(buf, r.blocked_ms);
+    put_opt_str(buf, r.blocker_request_id.as_deref());
+    put_opt_str(buf, r.blocker_caller.as_deref());
+    put_opt_str(buf, r.blocker_business_line.as_deref());
+    put_opt_u64(buf, r.blocker_prompt_tokens);
     buf.extend_from_slice(&row_version.to_le_bytes());
 }
 
@@ -177,6 +184,13 @@ pub struct LogRow {
     pub client_request_id: Option<String>,
     pub cache_creation_tokens: Option<u64>,
     pub replica: String,
+    pub blocked_by_requests: Option<u64>,
+    pub blocked_by_prompt_tokens: Option<u64>,
+    pub blocked_ms: Option<f64>,
+    pub blocker_request_id: Option<String>,
+    pub blocker_caller: Option<String>,
+    pub blocker_business_line: Option<String>,
+    pub blocker_prompt_tokens: Option<u64>,
     pub row_version: u64,
 }
 
@@ -261,6 +275,13 @@ impl LogRow {
             client_request_id: self.client_request_id,
             cache_creation_tokens: self.cache_creation_tokens,
             replica: self.replica,
+            blocked_by_requests: self.blocked_by_requests,
+            blocked_by_prompt_tokens: self.blocked_by_prompt_tokens,
+            blocked_ms: self.blocked_ms,
+            blocker_request_id: self.blocker_request_id,
+            blocker_caller: self.blocker_caller,
+            blocker_business_line: self.blocker_business_line,
+            blocker_prompt_tokens: self.blocker_prompt_tokens,
         };
         Ok((r, self.row_version))
     }

@@ -74,6 +74,11 @@
 //! * v6 — `tokenscope_alert_claims (fingerprint, replica, claimed_at_us)`: before a gateway of
 //!   a fleet sends a firing alert it claims the incident there; the earliest claim within
 //!   the hold time sends, the others stay quiet (`ClickHouseStore::claim`).
+//! * v7 — the per-request blame columns after `replica`: `blocked_by_requests`,
+//!   `blocked_by_prompt_tokens` (`Nullable(UInt64)`), `blocked_ms` (`Nullable(Float64)`),
+//!   `blocker_request_id`, `blocker_caller`, `blocker_business_line` (`Nullable(String)`),
+//!   `blocker_prompt_tokens` (`Nullable(UInt64)`); `NULL` when not measured, and for older
+//!   rows. On the data table and, in a cluster, on the `Distributed` table.
 //! * v5 — on modern servers, `bloom_filter` skipping indexes on `user_id`, `tenant` and
 //!   `business_line` (data tables; none on old servers, which have no skipping indexes).
 //!   How the table serves the article's queries: per model and time by the sorting key
@@ -96,7 +101,7 @@ pub const MIGRATIONS_TABLE: &str = "tokenscope_schema_migrations";
 
 /// The columns of an insert (and of every full-row read), in RowBinary order: the SQLite
 /// column list with `created_at` replaced by `created_at_us`, plus `row_version`.
-pub const INSERT_COLUMNS: [&str; 55] = [
+pub const INSERT_COLUMNS: [&str; 62] = [
     "request_id",
     "trace_id",
     "created_at_us",
@@ -151,6 +156,13 @@ pub const INSERT_COLUMNS: [&str; 55] = [
     "client_request_id",
     "cache_creation_tokens",
     "replica",
+    "blocked_by_requests",
+    "blocked_by_prompt_tokens",
+    "blocked_ms",
+    "blocker_request_id",
+    "blocker_caller",
+    "blocker_business_line",
+    "blocker_prompt_tokens",
     "row_version",
 ];
 
@@ -420,7 +432,48 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "tokenscope_alert_claims: which gateway of a fleet sends an alert",
         statements: v6,
     },
+    Migration {
+        version: 7,
+        description: "per-request blame: blocked_by_requests, blocked_by_prompt_tokens, blocked_ms, blocker_{request_id,caller,business_line,prompt_tokens}",
+        statements: v7,
+    },
 ];
+
+/// The blame columns of v7, in order, each after the one before it (the first after
+/// `replica`).
+pub const BLAME_COLUMNS: [(&str, &str); 7] = [
+    ("blocked_by_requests", "Nullable(UInt64)"),
+    ("blocked_by_prompt_tokens", "Nullable(UInt64)"),
+    ("blocked_ms", "Nullable(Float64)"),
+    ("blocker_request_id", "Nullable(String)"),
+    ("blocker_caller", "Nullable(String)"),
+    ("blocker_business_line", "Nullable(String)"),
+    ("blocker_prompt_tokens", "Nullable(UInt64)"),
+];
+
+fn v7(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
+    let (data, dist, on) = match (cx.target, cx.cluster) {
+        (Target::Single, _) | (_, None) => (TABLE, None, None),
+        (Target::ClusterNode, Some(_)) => (LOCAL_TABLE, Some(TABLE), None),
+        (Target::OnCluster, Some(c)) => (LOCAL_TABLE, Some(TABLE), Some(c)),
+    };
+    let mut out = Vec::new();
+    for t in std::iter::once(data).chain(dist) {
+        let mut after = "replica";
+        for (name, ty) in BLAME_COLUMNS {
+            out.push(add_column(
+                d,
+                cx.database,
+                t,
+                on,
+                &format!("{name} {ty}"),
+                after,
+            ));
+            after = name;
+        }
+    }
+    out
+}
 
 /// The alert claims table (v6): one row per claim, `(fingerprint, replica, claimed_at_us)`.
 pub const CLAIMS_TABLE: &str = "tokenscope_alert_claims";
@@ -659,6 +712,9 @@ mod tests {
         declared.insert(at + 2, "client_request_id".to_owned());
         declared.insert(at + 3, "cache_creation_tokens".to_owned());
         declared.insert(at + 4, "replica".to_owned());
+        for (i, (c, _)) in BLAME_COLUMNS.iter().enumerate() {
+            declared.insert(at + 5 + i, (*c).to_owned());
+        }
         assert_eq!(declared, INSERT_COLUMNS.map(str::to_owned).to_vec());
         assert_eq!(
             (MIGRATIONS[1].statements)(&d, &single(None)),

@@ -149,6 +149,13 @@ fn full_record(id: &str) -> RequestRecord {
         client_request_id: Some("client-id".to_owned()),
         cache_creation_tokens: Some(64),
         replica: "10.0.0.7:8000".to_owned(),
+        blocked_by_requests: Some(3),
+        blocked_by_prompt_tokens: Some(1620),
+        blocked_ms: Some(412.5),
+        blocker_request_id: Some(format!("long-{id}")),
+        blocker_caller: Some("batch-job".to_owned()),
+        blocker_business_line: Some("offline".to_owned()),
+        blocker_prompt_tokens: Some(1500),
     }
 }
 

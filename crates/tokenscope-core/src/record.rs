@@ -403,6 +403,32 @@ pub struct RequestRecord {
     /// echoed back unchanged); `None` when it sent none. Not unique: searchable, never a key.
     #[serde(default)]
     pub client_request_id: Option<String>,
+    /// Blame: how many other requests were in prefill on this request's replica while it
+    /// waited for its first token (see the gateway's `blame` module for the definitions).
+    /// `None` when not measured (no replica, or no known end of the wait); `Some(0)`: it
+    /// waited behind nobody.
+    #[serde(default)]
+    pub blocked_by_requests: Option<u64>,
+    /// Blame: the prompt tokens of those requests.
+    #[serde(default)]
+    pub blocked_by_prompt_tokens: Option<u64>,
+    /// Blame: the part of this request's wait (ms) during which at least one of them was in
+    /// prefill.
+    #[serde(default)]
+    pub blocked_ms: Option<f64>,
+    /// Blame: the largest of them (most prompt tokens): its request id.
+    #[serde(default)]
+    pub blocker_request_id: Option<String>,
+    /// Blame: the largest blocker's caller (`user_id`, else `key:<api_key_id>`, else
+    /// `tenant:<tenant>`).
+    #[serde(default)]
+    pub blocker_caller: Option<String>,
+    /// Blame: the largest blocker's business line.
+    #[serde(default)]
+    pub blocker_business_line: Option<String>,
+    /// Blame: the largest blocker's prompt tokens.
+    #[serde(default)]
+    pub blocker_prompt_tokens: Option<u64>,
 }
 
 /// Engine-side phase values that arrive after the response (OTLP spans from vLLM or SGLang),

@@ -102,8 +102,17 @@ impl MeteredBody {
         }
     }
 
-    /// Handles one data frame; returns the bytes to forward (possibly empty).
+    /// Handles one data frame; returns the bytes to forward (possibly empty). The first
+    /// output token, once seen, is told to the replica's blame board.
     fn on_data(&mut self, data: Bytes, now: Instant) -> Bytes {
+        let out = self.on_data_inner(data, now);
+        if matches!(self.mode, Mode::Sse { .. }) {
+            self.guard.note_first_token();
+        }
+        out
+    }
+
+    fn on_data_inner(&mut self, data: Bytes, now: Instant) -> Bytes {
         let Some(f) = self.guard.facts() else {
             return data;
         };

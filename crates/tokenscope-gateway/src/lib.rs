@@ -36,6 +36,7 @@ mod admin;
 pub mod alerting;
 mod attribution;
 pub mod auth;
+mod blame;
 mod body;
 /// The configuration (its own crate, `tokenscope-config`; `crate::config::…` paths resolve).
 pub use tokenscope_config as config;

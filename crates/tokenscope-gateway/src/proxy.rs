@@ -248,6 +248,7 @@ fn note_upstream(
 /// snapshot of its last scrape; unknown fields cleared): told again for each replica tried,
 /// so the record names the one that served the request, or the last one that failed.
 fn note_replica(guard: &mut RecordGuard, replica: &Replica) {
+    guard.on_replica(replica);
     let Some((rec, _)) = guard.parts() else {
         return;
     };

@@ -19,10 +19,11 @@
 //! ([`RecordGuard::record`], [`RecordGuard::facts`], …); all of them are no-ops once the
 //! record is finished.
 
+use crate::blame::{Blame, Ticket, Who};
 use crate::facts::{derive::derive, ResponseFacts};
 use crate::finished::{Counts, EntryCount, Fanout, TraceFacts};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokenscope_core::{Outcome, RequestRecord};
 use tokenscope_telemetry::InFlightGuard;
 
@@ -47,6 +48,10 @@ struct Pending {
     /// left).
     conn: Option<Arc<crate::server::ConnState>>,
     in_flight: Option<InFlightGuard>,
+    /// Its place on the board of the replica it was sent to ([`crate::blame`]).
+    ticket: Option<Ticket>,
+    /// The first token was told to the ticket.
+    first_noted: bool,
 }
 
 /// Owns a record until it is finished. See the module docs.
@@ -71,6 +76,8 @@ impl RecordGuard {
             entry_count: None,
             conn,
             in_flight: None,
+            ticket: None,
+            first_noted: false,
         })))
     }
 
@@ -110,6 +117,33 @@ impl RecordGuard {
         }
     }
 
+    /// The request is being sent to `replica` now: it enters that replica's board (leaving
+    /// the board of a replica tried before, without a trace).
+    pub fn on_replica(&mut self, replica: &crate::replicas::Replica) {
+        if let Some(p) = self.0.as_deref_mut() {
+            let who = Who {
+                request_id: p.rec.request_id.clone(),
+                caller: crate::blame::caller_of(&p.rec),
+                business_line: p.rec.business_line.clone(),
+            };
+            let est = p.entry_input_tokens.unwrap_or(0);
+            p.ticket = None;
+            p.ticket = Some(replica.board.enter(who, est, Instant::now()));
+        }
+    }
+
+    /// Tells the replica's board of the first output token, once (after each frame).
+    pub fn note_first_token(&mut self) {
+        if let Some(p) = self.0.as_deref_mut() {
+            if !p.first_noted {
+                if let (Some(t), Some(at)) = (&p.ticket, p.facts.first_token()) {
+                    t.first_token(at);
+                    p.first_noted = true;
+                }
+            }
+        }
+    }
+
     /// Finishes the record now. `forced` overrides the outcome derived from the response.
     pub fn finish(&mut self, end: Instant, forced: Option<(Outcome, &'static str)>) {
         if let Some(p) = self.0.take() {
@@ -142,6 +176,21 @@ impl Drop for RecordGuard {
 /// Derives the record's fields and hands it to the fan-out.
 fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)>) {
     derive(&mut p.rec, &p.facts, p.entry_input_tokens, end, forced);
+    if let Some(t) = p.ticket.take() {
+        if let Some(at) = p.facts.first_token() {
+            t.first_token(at);
+        }
+        let engine_prefill_end = match (p.rec.queue_duration_ms, p.rec.prefill_duration_ms) {
+            (Some(q), Some(f)) if q.is_finite() && f.is_finite() && q + f >= 0.0 => {
+                Duration::try_from_secs_f64((q + f) / 1000.0)
+                    .ok()
+                    .map(|d| t.sent() + d)
+            }
+            _ => None,
+        };
+        let blame = t.leave(engine_prefill_end, p.rec.input_tokens, end);
+        apply_blame(&mut p.rec, blame);
+    }
     let trace = TraceFacts {
         trace: p.trace,
         times: tokenscope_trace::SpanTimes {
@@ -155,4 +204,20 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
         output_text: p.facts.take_output_text(),
     };
     p.fanout.complete(p.rec, trace, counts);
+}
+
+/// The blame's fields on the record (`None` leaves them unmeasured).
+fn apply_blame(rec: &mut RequestRecord, blame: Option<Blame>) {
+    let Some(b) = blame else {
+        return;
+    };
+    rec.blocked_by_requests = Some(b.requests);
+    rec.blocked_by_prompt_tokens = Some(b.prompt_tokens);
+    rec.blocked_ms = Some((b.blocked_ms * 1000.0).round() / 1000.0);
+    if let Some((who, tokens)) = b.top {
+        rec.blocker_request_id = Some(who.request_id);
+        rec.blocker_caller = who.caller;
+        rec.blocker_business_line = who.business_line;
+        rec.blocker_prompt_tokens = Some(tokens);
+    }
 }

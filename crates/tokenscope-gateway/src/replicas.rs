@@ -70,6 +70,8 @@ pub(crate) struct Replica {
     pub pool: Arc<UpPool>,
     /// Its engine's state, scraped from its metrics endpoint (lock-free reads).
     pub state: Option<EngineStateHandle>,
+    /// Its requests in flight and the last ones finished, for each request's blame.
+    pub board: Arc<crate::blame::Board>,
     /// The upstream's name (logs).
     upstream: String,
     policy: EjectPolicy,
@@ -100,6 +102,7 @@ impl Replica {
             base,
             pool,
             state,
+            board: Arc::default(),
             upstream: upstream.to_owned(),
             policy,
             epoch: Instant::now(),

@@ -260,6 +260,13 @@ impl Gen {
             client_request_id: None,
             cache_creation_tokens: None,
             replica: format!("10.0.0.{}:8000", i % 3),
+            blocked_by_requests: None,
+            blocked_by_prompt_tokens: None,
+            blocked_ms: None,
+            blocker_request_id: None,
+            blocker_caller: None,
+            blocker_business_line: None,
+            blocker_prompt_tokens: None,
         }
     }
 }

@@ -75,6 +75,11 @@
 //!   `replica TEXT NOT NULL DEFAULT ''` (the upstream replica that served the request,
 //!   `host:port`; empty when none was chosen, and for older rows). Not in the covering time
 //!   index (a report by `replica` reads table rows, like `gpu_band`). Readers need v7.
+//! * v8 — the per-request blame columns `blocked_by_requests INTEGER`,
+//!   `blocked_by_prompt_tokens INTEGER`, `blocked_ms REAL`, `blocker_request_id TEXT`,
+//!   `blocker_caller TEXT`, `blocker_business_line TEXT`, `blocker_prompt_tokens INTEGER`
+//!   (`NULL` when not measured, and for rows written before v8). Not in the covering time
+//!   index. Readers need v8.
 //!
 //! Indexes: the primary key (`request_id`: idempotent inserts, [`SqliteStore::get`]) and
 //! `idx_log_created_at`, led by `created_at` and carrying every column a
@@ -132,7 +137,7 @@ pub const SQL_USER_TOKENS_PER_DAY: &str = include_str!("sql/user_tokens_per_day.
 pub const SQL_MEAN_TTFT_BY_BUCKET: &str = include_str!("sql/mean_ttft_by_bucket.sql");
 
 /// Every column of [`TABLE`], in the order [`record_from_row`] expects them.
-pub const COLUMNS: [&str; 54] = [
+pub const COLUMNS: [&str; 61] = [
     "request_id",
     "trace_id",
     "created_at",
@@ -187,6 +192,13 @@ pub const COLUMNS: [&str; 54] = [
     "client_request_id",
     "cache_creation_tokens",
     "replica",
+    "blocked_by_requests",
+    "blocked_by_prompt_tokens",
+    "blocked_ms",
+    "blocker_request_id",
+    "blocker_caller",
+    "blocker_business_line",
+    "blocker_prompt_tokens",
 ];
 
 /// Ordered schema migrations: entry `i` takes the schema from version `i` to `i + 1`.
@@ -305,15 +317,24 @@ const MIGRATIONS: &[&str] = &[
     // filtered by `replica` reads the table rows, like `gpu_band`.
     "ALTER TABLE llm_inference_log ADD COLUMN cache_creation_tokens INTEGER;
     ALTER TABLE llm_inference_log ADD COLUMN replica TEXT NOT NULL DEFAULT '';",
+    // v8: per-request blame (what the request waited behind on its replica; `NULL` when not
+    // measured, and for rows written before v8). Not in the covering time index.
+    "ALTER TABLE llm_inference_log ADD COLUMN blocked_by_requests INTEGER;
+    ALTER TABLE llm_inference_log ADD COLUMN blocked_by_prompt_tokens INTEGER;
+    ALTER TABLE llm_inference_log ADD COLUMN blocked_ms REAL;
+    ALTER TABLE llm_inference_log ADD COLUMN blocker_request_id TEXT;
+    ALTER TABLE llm_inference_log ADD COLUMN blocker_caller TEXT;
+    ALTER TABLE llm_inference_log ADD COLUMN blocker_business_line TEXT;
+    ALTER TABLE llm_inference_log ADD COLUMN blocker_prompt_tokens INTEGER;",
 ];
 
 /// The schema version this build writes and understands.
 pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
-/// The oldest schema a read-only open accepts: v7 added `cache_creation_tokens` and
-/// `replica`, the last columns the reads name (v3 and v4 only changed indexes). An older file
-/// is migrated by the next writer (`tokenscope serve`, or [`SqliteStore::open`]).
-pub const MIN_READ_VERSION: u32 = 7;
+/// The oldest schema a read-only open accepts: v8 added the blame columns, the last columns
+/// the reads name (v3 and v4 only changed indexes). An older file is migrated by the next
+/// writer (`tokenscope serve`, or [`SqliteStore::open`]).
+pub const MIN_READ_VERSION: u32 = 8;
 
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -906,7 +927,7 @@ fn file_id(_path: &Path) -> std::io::Result<FileId> {
 }
 
 /// Rows per multi-row `INSERT` statement in [`SqliteStore::insert_batch`]
-/// (`ROWS_PER_INSERT × 54` parameters; SQLite allows 32 766).
+/// (`ROWS_PER_INSERT × 61` parameters; SQLite allows 32 766).
 const ROWS_PER_INSERT: usize = 32;
 
 /// `INSERT OR IGNORE INTO llm_inference_log (<COLUMNS>) VALUES (?,…), …` for `rows` rows,
@@ -921,7 +942,7 @@ fn insert_sql(rows: usize) -> String {
     )
 }
 
-/// Binds `r` to parameters `base + 1 ..= base + 54` of `stmt`, in [`COLUMNS`] order.
+/// Binds `r` to parameters `base + 1 ..= base + 61` of `stmt`, in [`COLUMNS`] order.
 fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusqlite::Result<()> {
     let mut i = base;
     let mut bind = |stmt: &mut Statement<'_>, v: &dyn ToSql| {
@@ -982,6 +1003,13 @@ fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusq
     bind(stmt, &r.client_request_id)?;
     bind(stmt, &opt_i64(r.cache_creation_tokens))?;
     bind(stmt, &r.replica)?;
+    bind(stmt, &opt_i64(r.blocked_by_requests))?;
+    bind(stmt, &opt_i64(r.blocked_by_prompt_tokens))?;
+    bind(stmt, &r.blocked_ms)?;
+    bind(stmt, &r.blocker_request_id)?;
+    bind(stmt, &r.blocker_caller)?;
+    bind(stmt, &r.blocker_business_line)?;
+    bind(stmt, &opt_i64(r.blocker_prompt_tokens))?;
     debug_assert_eq!(i - base, COLUMNS.len());
     Ok(())
 }
@@ -1199,6 +1227,13 @@ pub fn record_from_row(row: &Row<'_>) -> rusqlite::Result<RequestRecord> {
         client_request_id: row.get(51)?,
         cache_creation_tokens: get_u64(row, 52)?,
         replica: row.get(53)?,
+        blocked_by_requests: get_u64(row, 54)?,
+        blocked_by_prompt_tokens: get_u64(row, 55)?,
+        blocked_ms: row.get(56)?,
+        blocker_request_id: row.get(57)?,
+        blocker_caller: row.get(58)?,
+        blocker_business_line: row.get(59)?,
+        blocker_prompt_tokens: get_u64(row, 60)?,
     })
 }
 
@@ -1292,6 +1327,13 @@ pub(crate) mod tests {
             client_request_id: Some(format!("client-{id}")),
             cache_creation_tokens: Some(96),
             replica: "10.0.0.7:8000".to_owned(),
+            blocked_by_requests: Some(3),
+            blocked_by_prompt_tokens: Some(1620),
+            blocked_ms: Some(412.5),
+            blocker_request_id: Some(format!("long-{id}")),
+            blocker_caller: Some("batch-job".to_owned()),
+            blocker_business_line: Some("offline".to_owned()),
+            blocker_prompt_tokens: Some(1500),
         }
     }
 
@@ -1620,6 +1662,14 @@ pub(crate) mod tests {
         assert_eq!(
             (old.cache_creation_tokens, old.replica.as_str()),
             (None, "")
+        );
+        assert_eq!(
+            (
+                old.blocked_by_requests,
+                old.blocked_ms,
+                old.blocker_request_id
+            ),
+            (None, None, None)
         );
         // New rows carry every new field.
         store.insert(&full_record("new")).expect("insert");

@@ -119,6 +119,11 @@ impl ResponseFacts {
     }
 
     /// Arrival → the request handed to the upstream (the trace's span times).
+    /// The instant of the first output token, if one came.
+    pub(crate) fn first_token(&self) -> Option<Instant> {
+        self.timer.first_token()
+    }
+
     pub(crate) fn upstream_sent_ms(&self) -> Option<f64> {
         self.timer.upstream_sent_ms()
     }

@@ -612,6 +612,10 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     }
     let queueing = queue_share.is_some_and(|s| s >= opts.queue_share);
     let slow = p99.is_some_and(|x| x > opts.ttft_p99_ms);
+    let blame = blame_evidence(&with);
+    if let Some(bl) = &blame {
+        b.ev("blame", bl.json());
+    }
     let isolate = |lb: &str| {
         format!("isolation: route {lb} prompts to a separate pool / replica (or a separate priority class) so short requests never share a batch with them")
     };
@@ -628,6 +632,12 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
             lb.as_str(),
             rat
         ));
+    }
+    if let Some(bl) = blame
+        .as_ref()
+        .filter(|_| starvation.is_some() || queueing || slow)
+    {
+        parts.push(bl.sentence());
     }
     // Engine state at arrival: a queue that forms while the KV cache holds the batch is the
     // cache's (admission waits for cache room, not for a slot).
@@ -698,6 +708,130 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
         parts.join("; ")
     };
     b.step
+}
+
+/// Who the short requests waited behind, from the records' per-request blame (the gateway's
+/// view of each replica): the short requests (`0-128`, `128-512`) that waited behind at least
+/// one prefill, grouped by (their business line, the largest blocker's caller and business
+/// line); the group with the most blocked time first.
+#[derive(Debug, Clone)]
+struct BlameEvidence {
+    short_line: String,
+    blocker_caller: String,
+    blocker_line: String,
+    /// Short requests in the group.
+    requests: usize,
+    /// Σ and P50 of their blocked time, ms.
+    blocked_ms_sum: f64,
+    blocked_ms_p50: f64,
+    /// P50 of the largest blocker's prompt tokens.
+    blocker_tokens_p50: f64,
+    /// The largest blocker seen in the group (most tokens; ties: smallest id).
+    example_request_id: String,
+    /// Short requests that waited behind someone / that have a blame at all.
+    blocked_short: usize,
+    measured_short: usize,
+}
+
+fn blame_evidence(recs: &[&RequestRecord]) -> Option<BlameEvidence> {
+    let short = |r: &&&RequestRecord| {
+        matches!(
+            r.input_bucket,
+            Some(InputBucket::B0To128 | InputBucket::B128To512)
+        )
+    };
+    let measured: Vec<&&RequestRecord> = recs
+        .iter()
+        .filter(short)
+        .filter(|r| r.blocked_by_requests.is_some())
+        .collect();
+    type Group<'a> = (Vec<f64>, Vec<f64>, Option<(u64, &'a str)>);
+    let mut groups: BTreeMap<(String, String, String), Group<'_>> = BTreeMap::new();
+    let mut blocked = 0usize;
+    for r in &measured {
+        let (Some(ms), Some(id)) = (r.blocked_ms, r.blocker_request_id.as_deref()) else {
+            continue;
+        };
+        if ms <= 0.0 {
+            continue;
+        }
+        blocked += 1;
+        let key = (
+            r.business_line
+                .clone()
+                .unwrap_or_else(|| "(none)".to_owned()),
+            r.blocker_caller
+                .clone()
+                .unwrap_or_else(|| "(unknown)".to_owned()),
+            r.blocker_business_line
+                .clone()
+                .unwrap_or_else(|| "(none)".to_owned()),
+        );
+        let g = groups.entry(key).or_default();
+        g.0.push(ms);
+        let t = r.blocker_prompt_tokens.unwrap_or(0);
+        g.1.push(t as f64);
+        let better = match g.2 {
+            None => true,
+            Some((bt, bid)) => t > bt || (t == bt && id < bid),
+        };
+        if better {
+            g.2 = Some((t, id));
+        }
+    }
+    let best = groups.into_iter().max_by(|a, b| {
+        let sa: f64 = a.1 .0.iter().sum();
+        let sb: f64 = b.1 .0.iter().sum();
+        sa.total_cmp(&sb).then_with(|| b.0.cmp(&a.0))
+    })?;
+    let ((short_line, blocker_caller, blocker_line), (mut ms, mut tokens, ex)) = best;
+    ms.sort_by(f64::total_cmp);
+    tokens.sort_by(f64::total_cmp);
+    Some(BlameEvidence {
+        short_line,
+        blocker_caller,
+        blocker_line,
+        requests: ms.len(),
+        blocked_ms_sum: ms.iter().sum(),
+        blocked_ms_p50: percentile(&ms, 0.5).unwrap_or(0.0),
+        blocker_tokens_p50: percentile(&tokens, 0.5).unwrap_or(0.0),
+        example_request_id: ex.map(|(_, id)| id.to_owned()).unwrap_or_default(),
+        blocked_short: blocked,
+        measured_short: measured.len(),
+    })
+}
+
+impl BlameEvidence {
+    fn json(&self) -> Value {
+        json!({
+            "short_business_line": self.short_line,
+            "blocker_caller": self.blocker_caller,
+            "blocker_business_line": self.blocker_line,
+            "short_requests": self.requests,
+            "blocked_ms_sum": r4(self.blocked_ms_sum),
+            "blocked_ms_p50": r4(self.blocked_ms_p50),
+            "blocker_prompt_tokens_p50": r4(self.blocker_tokens_p50),
+            "blocker_request_id": self.example_request_id,
+            "short_blocked": self.blocked_short,
+            "short_measured": self.measured_short,
+        })
+    }
+
+    /// "short requests of business line search waited 2.1 s (P50 420 ms) behind batch-job's
+    /// (offline) prompts of 8000 tokens (e.g. request r-17)".
+    fn sentence(&self) -> String {
+        format!(
+            "{} short requests of business line {} waited {:.1} s in all (P50 {:.0} ms each) behind {}'s ({}) prompts of {:.0} tokens (largest: request {})",
+            self.requests,
+            self.short_line,
+            self.blocked_ms_sum / 1000.0,
+            self.blocked_ms_p50,
+            self.blocker_caller,
+            self.blocker_line,
+            self.blocker_tokens_p50,
+            self.example_request_id
+        )
+    }
 }
 
 /// What holds the engine's batch where it is, from the engine state at the requests' arrival.
@@ -1750,6 +1884,53 @@ mod tests {
             s.summary
         );
         assert!(s.remedies[0].contains("failing or being discarded"));
+    }
+
+    #[test]
+    fn the_ttft_step_says_behind_whom_short_requests_waited() {
+        // Short search requests queued behind batch-job's long prompts (the gateway's blame).
+        let mut recs: Vec<_> = (0..40)
+            .map(|i| {
+                let mut r = rec(i, i as i64 * 1000, 40, 3000.0);
+                r.queue_duration_ms = Some(2800.0);
+                r.business_line = Some("search".into());
+                r.blocked_by_requests = Some(1);
+                r.blocked_ms = Some(2000.0 + i as f64);
+                r.blocker_request_id = Some(format!("long{}", i / 10));
+                r.blocker_caller = Some("batch-job".into());
+                r.blocker_business_line = Some("offline".into());
+                r.blocker_prompt_tokens = Some(8000 + (i / 10) as u64);
+                r.blocked_by_prompt_tokens = Some(8000);
+                r
+            })
+            .collect();
+        // Some waited behind nobody, others behind a smaller caller.
+        for r in recs.iter_mut().take(5) {
+            r.blocked_ms = Some(0.0);
+            r.blocker_request_id = None;
+        }
+        for r in recs.iter_mut().skip(35) {
+            r.blocker_caller = Some("chat".into());
+            r.blocker_prompt_tokens = Some(300);
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        let b = &s.evidence["blame"];
+        assert_eq!(b["short_business_line"], json!("search"));
+        assert_eq!(b["blocker_caller"], json!("batch-job"));
+        assert_eq!(b["blocker_business_line"], json!("offline"));
+        assert_eq!(b["short_requests"], json!(30));
+        assert_eq!(b["short_blocked"], json!(35));
+        assert_eq!(b["short_measured"], json!(40));
+        assert_eq!(b["blocker_request_id"], json!("long3"));
+        assert!(
+            s.summary
+                .contains("short requests of business line search waited")
+                && s.summary
+                    .contains("behind batch-job's (offline) prompts of 8001 tokens"),
+            "{}",
+            s.summary
+        );
     }
 
     #[test]

@@ -74,14 +74,19 @@ async fn long_prompts_starve_short_ones() {
     for i in 0..128u64 {
         let url = url.clone();
         // A long prompt every 16th slot (every 320 ms), short ones every 20 ms.
-        let body = if i % 16 == 3 {
-            chat(3000, 5)
-        } else {
-            chat(3, 5)
-        };
+        let long = i % 16 == 3;
+        let body = if long { chat(3000, 5) } else { chat(3, 5) };
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(20 * i)).await;
-            stream(&url, &body, &[], None).await.status
+            let hs: &[(&str, &str)] = if long {
+                &[
+                    ("x-tokenscope-user", "batch-job"),
+                    ("x-tokenscope-business-line", "offline"),
+                ]
+            } else {
+                &[("x-tokenscope-business-line", "search")]
+            };
+            stream(&url, &body, hs, None).await.status
         }));
     }
     for t in tasks {
@@ -116,6 +121,30 @@ async fn long_prompts_starve_short_ones() {
     assert!(has(&r["conclusion"]["remedies"], "isolation"), "{text}");
     assert!(has(&r["conclusion"]["remedies"], "2048+"), "{text}");
     assert!(has(&r["conclusion"]["remedies"], "cap prefill"), "{text}");
+    // Behind whom: every short request that waited beside a long prefill names a long one as
+    // its largest blocker, and the TTFT step says so.
+    let rows = common::store_table(&db);
+    let checked = cases::assert_short_requests_name_the_long_one(
+        &rows,
+        |r| r["input_tokens"].as_i64().unwrap_or(0) > 1000,
+        "batch-job",
+        "offline",
+    );
+    assert!(
+        checked >= 10,
+        "only {checked} short requests waited beside a long one"
+    );
+    let blame = &ttft["evidence"]["blame"];
+    assert_eq!(blame["short_business_line"], "search", "{text}");
+    assert_eq!(blame["blocker_caller"], "batch-job", "{text}");
+    assert_eq!(blame["blocker_business_line"], "offline", "{text}");
+    assert!(
+        r["conclusion"]["summary"]
+            .as_str()
+            .expect("summary")
+            .contains("short requests of business line search waited"),
+        "{text}"
+    );
     same_on_clickhouse(&db, t0, t1, &text);
 }
 

@@ -237,3 +237,52 @@ pub fn assert_names_starvation(report: &Value, text: &str, long_bucket: &str) ->
     );
     ratio
 }
+
+/// Asserts the per-request blame of a case-1 run, from the store's rows (`store_table`): every
+/// short request whose wait (`[created_at, created_at + TTFT]`) overlapped a long request's
+/// prefill (the same interval of the long one) by at least 5 ms names a long request as its
+/// largest blocker, with that request's caller and business line, a positive blocked time
+/// and at least one blocker. Returns how many short requests were checked.
+pub fn assert_short_requests_name_the_long_one(
+    rows: &[serde_json::Map<String, Value>],
+    is_long: impl Fn(&serde_json::Map<String, Value>) -> bool,
+    long_caller: &str,
+    long_line: &str,
+) -> usize {
+    let span = |r: &serde_json::Map<String, Value>| -> Option<(f64, f64)> {
+        let at = r["created_at"].as_f64()? / 1000.0;
+        Some((at, at + r["ttft_ms"].as_f64()?))
+    };
+    let longs: Vec<(String, (f64, f64))> = rows
+        .iter()
+        .filter(|r| is_long(r))
+        .filter_map(|r| Some((r["request_id"].as_str()?.to_owned(), span(r)?)))
+        .collect();
+    assert!(!longs.is_empty(), "no long request with a TTFT");
+    let mut checked = 0;
+    for r in rows.iter().filter(|r| !is_long(r)) {
+        let Some((s, e)) = span(r) else { continue };
+        let overlaps = longs
+            .iter()
+            .any(|(_, (ls, le))| s.max(*ls) + 5.0 <= e.min(*le));
+        if !overlaps {
+            continue;
+        }
+        checked += 1;
+        let id = r["request_id"].as_str().unwrap_or("?");
+        let blocker = r["blocker_request_id"].as_str().unwrap_or("");
+        assert!(
+            longs.iter().any(|(l, _)| l == blocker),
+            "short request {id} waited beside a long prefill but names {blocker:?} as its largest blocker: {r:?}"
+        );
+        assert_eq!(r["blocker_caller"], json!(long_caller), "{r:?}");
+        assert_eq!(r["blocker_business_line"], json!(long_line), "{r:?}");
+        assert!(r["blocked_by_requests"].as_i64().unwrap_or(0) >= 1, "{r:?}");
+        assert!(r["blocked_ms"].as_f64().unwrap_or(0.0) > 0.0, "{r:?}");
+        assert!(
+            r["blocker_prompt_tokens"].as_i64().unwrap_or(0) > 500,
+            "{r:?}"
+        );
+    }
+    checked
+}

@@ -89,6 +89,28 @@ async fn llama_long_prompts_starve_short_ones() {
     let (r, text) = diagnose(&db.to_string_lossy(), t0, t1, &[]);
     assert_eq!(r["requests"], sent.len() as u64, "{text}");
     let ratio = assert_names_starvation(&r, &text, "512-2048");
+    // Behind whom (issue 21): every short request that waited beside a long prefill names
+    // the long one as its largest blocker; the TTFT step says who.
+    let long_ids: Vec<&String> = ids
+        .iter()
+        .zip(&sent)
+        .filter(|(_, s)| s.long)
+        .map(|(id, _)| id)
+        .collect();
+    let checked = assert_short_requests_name_the_long_one(
+        &rows,
+        |r| long_ids.iter().any(|id| r["request_id"] == id.as_str()),
+        LONG_CALLER,
+        LONG_LINE,
+    );
+    assert!(
+        checked >= 10,
+        "only {checked} short requests waited beside a long one"
+    );
+    let blame = &step(&r, "ttft")["evidence"]["blame"];
+    assert_eq!(blame["short_business_line"], SHORT_LINE, "{text}");
+    assert_eq!(blame["blocker_caller"], LONG_CALLER, "{text}");
+    assert_eq!(blame["blocker_business_line"], LONG_LINE, "{text}");
     eprintln!(
         "llama.cpp case 1: starvation ratio {ratio:.1}; client TTFT after the gateway's: median \
          {median_gap:.1} ms, worst {worst_gap:.1} ms\n{text}"

@@ -622,6 +622,23 @@ async fn vllm_long_prompts_starve_short_ones_spans_only() {
     );
     assert_eq!(r["requests"], sent.len() as u64, "{text}");
     let ratio = assert_names_starvation(&r, &text, "512-2048");
+    // Behind whom (issue 21): the gateway's blame names the long prompt for every short
+    // request that waited beside one, whatever vLLM's own queue time says.
+    let long_ids: Vec<String> = sent
+        .iter()
+        .filter(|s| s.long)
+        .map(|s| s.stream.request_id())
+        .collect();
+    let checked = assert_short_requests_name_the_long_one(
+        &rows,
+        |r| long_ids.iter().any(|id| r["request_id"] == id.as_str()),
+        LONG_CALLER,
+        LONG_LINE,
+    );
+    assert!(
+        checked >= 10,
+        "only {checked} short requests waited beside a long one"
+    );
     eprintln!(
         "vLLM case 1: starvation ratio {ratio:.1}; vLLM queue of short requests up to \
          {worst_short:.0} ms, of long ones up to {:.0} ms; client TTFT after the gateway's: \

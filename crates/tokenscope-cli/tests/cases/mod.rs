@@ -105,8 +105,28 @@ pub struct Sent {
     pub stream: ClientStream,
 }
 
+/// The caller and business line of a case-1 load's long prompts (headers).
+pub const LONG_CALLER: &str = "batch-job";
+/// See [`LONG_CALLER`].
+pub const LONG_LINE: &str = "offline";
+/// The business line of a case-1 load's short prompts.
+pub const SHORT_LINE: &str = "search";
+
+/// The attribution headers of a case-1 request.
+fn who(long: bool) -> &'static [(&'static str, &'static str)] {
+    if long {
+        &[
+            ("x-tokenscope-user", LONG_CALLER),
+            ("x-tokenscope-business-line", LONG_LINE),
+        ]
+    } else {
+        &[("x-tokenscope-business-line", SHORT_LINE)]
+    }
+}
+
 /// Sends the case-1 load (see [`HeadOfLine`]) to `url` (a `/v1/completions` URL, streamed with
-/// usage) and returns every request in arrival order. Every request must succeed.
+/// usage) and returns every request in arrival order. Every request must succeed. Long
+/// prompts come from [`LONG_CALLER`] of [`LONG_LINE`], short ones from [`SHORT_LINE`].
 pub async fn head_of_line(url: &str, load: &HeadOfLine<'_>) -> Vec<Sent> {
     let mut n = 0usize;
     let mut body = |long: bool| {
@@ -130,7 +150,7 @@ pub async fn head_of_line(url: &str, load: &HeadOfLine<'_>) -> Vec<Sent> {
     let mut out = Vec::new();
     let mut long_ttft = f64::INFINITY;
     for _ in 0..2 {
-        let s = ok(stream(url, &body(true), &[], None).await);
+        let s = ok(stream(url, &body(true), who(true), None).await);
         long_ttft = long_ttft.min(s.ttft_ms().expect("long TTFT"));
         out.push(Sent {
             long: true,
@@ -147,7 +167,7 @@ pub async fn head_of_line(url: &str, load: &HeadOfLine<'_>) -> Vec<Sent> {
                 false,
                 tokio::spawn(async move {
                     tokio::time::sleep(at).await;
-                    stream(&url, &b, &[], None).await
+                    stream(&url, &b, who(false), None).await
                 }),
             ));
         }
@@ -160,7 +180,7 @@ pub async fn head_of_line(url: &str, load: &HeadOfLine<'_>) -> Vec<Sent> {
         let (u, b) = (url.to_owned(), body(true));
         tasks.push((
             true,
-            tokio::spawn(async move { stream(&u, &b, &[], None).await }),
+            tokio::spawn(async move { stream(&u, &b, who(true), None).await }),
         ));
         for k in 1..=load.beside {
             let (url, b, at) = (url.to_owned(), body(false), step * k as u32);
@@ -168,7 +188,7 @@ pub async fn head_of_line(url: &str, load: &HeadOfLine<'_>) -> Vec<Sent> {
                 false,
                 tokio::spawn(async move {
                     tokio::time::sleep(at).await;
-                    stream(&url, &b, &[], None).await
+                    stream(&url, &b, who(false), None).await
                 }),
             ));
         }

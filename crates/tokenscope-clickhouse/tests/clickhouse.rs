@@ -696,6 +696,14 @@ fn report_matches_the_embedded_store(ch: &dyn Engine) {
             r.engine_kv_usage = (i % 9 != 0).then(|| (i % 100) as f64 / 97.0);
             r.gpu_utilization = Some((i % 10) as f64 / 10.0);
             r.input_bucket = r.input_tokens.map(InputBucket::of);
+            // Per-request blame: unmeasured, behind nobody, behind one of two callers.
+            if i % 4 != 0 {
+                r.blocked_by_requests = Some(i % 3);
+                if i % 3 != 0 {
+                    r.blocker_caller = Some(["batch'job", "chat"][(i % 2) as usize].to_owned());
+                    r.blocker_business_line = (i % 5 != 0).then(|| "offline".to_owned());
+                }
+            }
             r
         })
         .collect();
@@ -736,6 +744,20 @@ fn report_matches_the_embedded_store(ch: &dyn Engine) {
                 (Dimension::User, NONE_LABEL.to_owned()),
                 (Dimension::Stream, "true".to_owned()),
             ],
+        },
+        ReportQuery {
+            since_us: t0,
+            until_us: Some(t0 + 3 * day),
+            group_by: vec![Dimension::BlockerLine, Dimension::BlockerCaller],
+            interval: None,
+            filters: vec![(Dimension::BlockerCaller, "batch'job".to_owned())],
+        },
+        ReportQuery {
+            since_us: t0,
+            until_us: Some(t0 + 3 * day),
+            group_by: vec![Dimension::BlockerLine],
+            interval: None,
+            filters: vec![(Dimension::BlockerLine, NONE_LABEL.to_owned())],
         },
     ];
     for q in &queries {

@@ -147,11 +147,24 @@ pub enum Dimension {
         )
     )]
     GpuBand,
+    /// `blocker_line`: the business line of the request's largest blocker (per-request blame:
+    /// the request in prefill on its replica with the most prompt tokens while it waited).
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "blocker_line", aliases = ["blocker-line", "blocker_business_line"])
+    )]
+    BlockerLine,
+    /// `blocker_caller`: the caller of the request's largest blocker.
+    #[cfg_attr(
+        feature = "clap",
+        value(name = "blocker_caller", alias = "blocker-caller")
+    )]
+    BlockerCaller,
 }
 
 impl Dimension {
     /// Every dimension.
-    pub const ALL: [Dimension; 14] = [
+    pub const ALL: [Dimension; 16] = [
         Dimension::Model,
         Dimension::InputBucket,
         Dimension::User,
@@ -166,6 +179,8 @@ impl Dimension {
         Dimension::Engine,
         Dimension::KvUsageBand,
         Dimension::GpuBand,
+        Dimension::BlockerLine,
+        Dimension::BlockerCaller,
     ];
 
     /// The name accepted by [`FromStr`], used as the output field name and the serialised
@@ -186,6 +201,8 @@ impl Dimension {
             Dimension::Engine => "engine",
             Dimension::KvUsageBand => "kv_band",
             Dimension::GpuBand => "gpu_band",
+            Dimension::BlockerLine => "blocker_line",
+            Dimension::BlockerCaller => "blocker_caller",
         }
     }
 
@@ -206,6 +223,8 @@ impl Dimension {
             Dimension::Engine => "engine",
             Dimension::KvUsageBand => "engine_kv_usage",
             Dimension::GpuBand => "gpu_utilization",
+            Dimension::BlockerLine => "blocker_business_line",
+            Dimension::BlockerCaller => "blocker_caller",
         }
     }
 }
@@ -235,6 +254,7 @@ impl FromStr for Dimension {
             "outcome" => Some(Dimension::Status),
             "engine_kv_usage" | "kv_usage_band" | "kv_usage" => Some(Dimension::KvUsageBand),
             "gpu_utilization" | "gpu_util" => Some(Dimension::GpuBand),
+            "blocker_business_line" => Some(Dimension::BlockerLine),
             _ => None,
         };
         alias

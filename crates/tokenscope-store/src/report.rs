@@ -1998,11 +1998,20 @@ mod tests {
     #[test]
     fn report_scans_the_covering_index() {
         let s = fixture();
-        // `gpu_band` and `replica` are not in the covering index: grouping by them reads table
-        // rows (slower, still correct); every other dimension is covered.
+        // `gpu_band`, `replica` and the blame's `blocker_*` are not in the covering index:
+        // grouping by them reads table rows (slower, still correct); every other dimension is
+        // covered.
         let covered: Vec<Dimension> = Dimension::ALL
             .into_iter()
-            .filter(|d| !matches!(d, Dimension::GpuBand | Dimension::Replica))
+            .filter(|d| {
+                !matches!(
+                    d,
+                    Dimension::GpuBand
+                        | Dimension::Replica
+                        | Dimension::BlockerLine
+                        | Dimension::BlockerCaller
+                )
+            })
             .collect();
         for group_by in [vec![], vec![Dimension::User, Dimension::Stream], covered] {
             let mut query = q(group_by);

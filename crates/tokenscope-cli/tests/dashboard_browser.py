@@ -14,7 +14,8 @@ Checks, for each page (overview, performance, cost) at a fixed window end (`unti
   * changing the range and a filter through the page's own controls changes the numbers, and
     they equal the API's for the new range/filter;
   * the slowest-request table links kept traces to TEMPLATE with the trace id;
-  * clicking a slow request (and a chart point) drills down to the performance page;
+  * clicking a slow request (and a chart point) drills down to the performance page, whose
+    slow-request table says what each waited behind (per-request blame);
   * the browser console has no errors; a screenshot of each state goes to DIR.
 """
 
@@ -231,6 +232,25 @@ def main():
             fail(f"drill-down window {dp['since']}..{dp['until']} misses the request at {slow['created_at']}")
         if not any(r["request_id"] == slow["request_id"] for r in dp["slowest"]):
             fail("the drilled-down performance page does not list the slow request")
+        # What each slow request waited behind (per-request blame), as the page's JSON says.
+        cells = driver.find_elements(By.CSS_SELECTOR, "#slowest td.blame")
+        if len(cells) != len(dp["slowest"]):
+            fail(f"{len(cells)} blame cells for {len(dp['slowest'])} slow requests")
+        measured = 0
+        for cell, r in zip(cells, dp["slowest"]):
+            b, text = r.get("blame"), cell.text
+            if b is None:
+                ok = text == "–"
+            elif b["requests"] == 0:
+                ok = text == "nobody"
+            else:
+                measured += 1
+                ok = text.startswith(f"{b['requests']} request") and (
+                    b["blocker_request_id"] is None
+                    or (b["blocker_caller"] or "(unknown)") in text)
+            if not ok:
+                fail(f"blame cell {text!r} does not say {b!r}")
+        report["blame_cells"] = {"rows": len(cells), "behind_someone": measured}
         shot(driver, a.out, "drilldown-request")
 
         # --- drill-down from a chart point (the TTFT chart) -------------------------

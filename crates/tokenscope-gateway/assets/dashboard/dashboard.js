@@ -123,12 +123,29 @@
     writeState(next);
   }
 
+  // "2 requests for 0.9 s; largest batch-job (offline), 1500 tokens, request abc…".
+  function blameText(b) {
+    if (!b) return "–";
+    if (!b.requests) return "nobody";
+    let s = b.requests + (b.requests === 1 ? " request" : " requests");
+    if (b.blocked_ms != null) s += " for " + (b.blocked_ms >= 1000 ? (b.blocked_ms / 1000).toFixed(1) + " s" : Math.round(b.blocked_ms) + " ms");
+    if (b.blocker_request_id) {
+      s += "; largest " + (b.blocker_caller || "(unknown)");
+      if (b.blocker_business_line) s += " (" + b.blocker_business_line + ")";
+      if (b.blocker_prompt_tokens != null) s += ", " + b.blocker_prompt_tokens + " tokens";
+      s += ", request " + b.blocker_request_id.slice(0, 13);
+    }
+    return s;
+  }
+
   function slowTable(data, key, st) {
     const rows = get(data, key) || [];
     const t = el("table", { id: "slowest" }, el("tr", {},
       el("th", {}, "request"), el("th", {}, "start"), el("th", {}, "model"), el("th", {}, "outcome"),
       el("th", {}, "in"), el("th", {}, "out"), el("th", {}, "e2e"), el("th", {}, "TTFT"),
-      el("th", {}, "queue"), el("th", {}, "prefill"), el("th", {}, "decode"), el("th", {}, "trace")));
+      el("th", {}, "queue"), el("th", {}, "prefill"), el("th", {}, "decode"),
+      el("th", { title: "requests in prefill on its replica while it waited; the largest of them" }, "waited behind"),
+      el("th", {}, "trace")));
     rows.forEach((r, i) => {
       const k = key + "." + i;
       let trace;
@@ -140,7 +157,7 @@
         el("td", {}, num(data, k + ".input_tokens", "int")), el("td", {}, num(data, k + ".output_tokens", "int")),
         el("td", {}, num(data, k + ".total_ms", "ms")), el("td", {}, num(data, k + ".ttft_ms", "ms")),
         el("td", {}, num(data, k + ".queue_ms", "ms")), el("td", {}, num(data, k + ".prefill_ms", "ms")),
-        el("td", {}, num(data, k + ".decode_ms", "ms")), el("td", {}, trace));
+        el("td", {}, num(data, k + ".decode_ms", "ms")), el("td", { class: "blame" }, blameText(r.blame)), el("td", {}, trace));
       tr.addEventListener("click", (ev) => { if (ev.target.tagName !== "A") drillTo(r.created_at, st); });
       t.append(tr);
     });

@@ -265,6 +265,28 @@ pub struct SlowRequest {
     /// Link to the trace in the configured trace UI, when kept and `[dashboard] trace_url`
     /// is set.
     pub trace_url: Option<String>,
+    /// What it waited behind on its replica (the record's per-request blame; `None` when not
+    /// measured).
+    pub blame: Option<SlowBlame>,
+}
+
+/// A slow request's blame: the requests in prefill on its replica while it waited.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SlowBlame {
+    /// How many.
+    pub requests: u64,
+    /// Their prompt tokens.
+    pub prompt_tokens: Option<u64>,
+    /// The part of its wait they covered, ms.
+    pub blocked_ms: Option<f64>,
+    /// The largest of them: request id, caller, business line, prompt tokens.
+    pub blocker_request_id: Option<String>,
+    /// See [`SlowBlame::blocker_request_id`].
+    pub blocker_caller: Option<String>,
+    /// See [`SlowBlame::blocker_request_id`].
+    pub blocker_business_line: Option<String>,
+    /// See [`SlowBlame::blocker_request_id`].
+    pub blocker_prompt_tokens: Option<u64>,
 }
 
 /// How a slow request's trace is linked: `kept(trace_id)` and the URL template.
@@ -303,6 +325,15 @@ fn slow_request(r: &RequestRecord, links: &TraceLinks<'_>) -> SlowRequest {
             (Some(true), Some(t)) => Some(t.replace("{trace_id}", &r.trace_id)),
             _ => None,
         },
+        blame: r.blocked_by_requests.map(|n| SlowBlame {
+            requests: n,
+            prompt_tokens: r.blocked_by_prompt_tokens,
+            blocked_ms: r.blocked_ms,
+            blocker_request_id: r.blocker_request_id.clone(),
+            blocker_caller: r.blocker_caller.clone(),
+            blocker_business_line: r.blocker_business_line.clone(),
+            blocker_prompt_tokens: r.blocker_prompt_tokens,
+        }),
     }
 }
 
@@ -1061,6 +1092,40 @@ mod tests {
         assert_eq!(c.by_user[1].key, "u2");
         assert_eq!(c.series.cost_usd[0], 4.0);
         assert_eq!(c.budgets[0].usage_ratio, 0.5);
+    }
+
+    #[test]
+    fn a_slow_request_says_what_it_waited_behind() {
+        let w = PageWindow::ending_at(Range::M5, 300_000_000);
+        let mut a = rec("a", 5.0, "m", 900.0);
+        a.blocked_by_requests = Some(2);
+        a.blocked_by_prompt_tokens = Some(1510);
+        a.blocked_ms = Some(640.5);
+        a.blocker_request_id = Some("long-1".into());
+        a.blocker_caller = Some("batch-job".into());
+        a.blocker_business_line = Some("offline".into());
+        a.blocker_prompt_tokens = Some(1500);
+        let b = rec("b", 6.0, "m", 20.0);
+        let o = overview(
+            &store_of(&[a, b]),
+            Range::M5,
+            &w,
+            &Filters::default(),
+            &no_links(),
+        )
+        .expect("page");
+        assert_eq!(o.slowest[0].request_id, "a");
+        let bl = o.slowest[0].blame.as_ref().expect("blame");
+        assert_eq!(
+            (bl.requests, bl.blocked_ms, bl.blocker_request_id.as_deref()),
+            (2, Some(640.5), Some("long-1"))
+        );
+        assert_eq!(bl.blocker_caller.as_deref(), Some("batch-job"));
+        assert_eq!(bl.blocker_business_line.as_deref(), Some("offline"));
+        assert_eq!(bl.blocker_prompt_tokens, Some(1500));
+        assert_eq!(o.slowest[1].blame, None, "not measured");
+        let json = serde_json::to_value(&o.slowest[0]).expect("json");
+        assert_eq!(json["blame"]["blocker_caller"], "batch-job");
     }
 
     #[test]

@@ -9,8 +9,8 @@
 //!
 //! 1. **success** — `ok` outcomes / requests; problem below [`DiagnoseOptions::min_success_rate`];
 //!    the top error types with their counts.
-//! 2. **ttft** — nearest-rank P50/P99 of TTFT (when nothing was streamed: the engine's queue +
-//!    prefill where both are known, `ttft_source` says which), overall and per input bucket; the queue share
+//! 2. **ttft** — nearest-rank P50/P99 of TTFT (the gateway's; for a request without one — not
+//!    streamed — the engine's queue + prefill where both are known; `ttft_source` says which), overall and per input bucket; the queue share
 //!    of TTFT (Σ queue / Σ TTFT over rows having both) and the prefill share; concurrency from
 //!    the request intervals `[created_at, created_at + total]` (mean = Σ durations / window,
 //!    peak by a sweep). **Starvation check**: the *long* bucket is `2048+` when it has
@@ -454,36 +454,34 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     b.th("queue_share", opts.queue_share);
     b.th("starvation_ratio", opts.starvation_ratio);
     b.th("min_samples", opts.min_samples as f64);
-    // No gateway TTFT at all (nothing streamed): judge the requests on the engine's time to
-    // first token, queue + prefill, where the engine (or the gateway's derivation from its
-    // timings) gives both — the record's own phases, never a guess.
-    let engine_ttft: Vec<RequestRecord> = if recs.iter().all(|r| r.ttft_ms.is_none()) {
-        recs.iter()
-            .filter_map(|r| {
-                let t = r.queue_duration_ms? + r.prefill_duration_ms?;
-                let mut c = (**r).clone();
-                c.ttft_ms = Some(t);
-                Some(c)
-            })
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let with: Vec<&RequestRecord> = if engine_ttft.is_empty() {
-        recs.iter()
-            .copied()
-            .filter(|r| r.ttft_ms.is_some())
-            .collect()
-    } else {
-        engine_ttft.iter().collect()
-    };
+    // A request without a gateway TTFT (not streamed, or nothing streamed) is judged on the
+    // engine's time to first token, queue + prefill, where the engine (or the gateway's
+    // derivation from its timings) gives both — the record's own phases, never a guess.
+    let engine_ttft: Vec<RequestRecord> = recs
+        .iter()
+        .filter(|r| r.ttft_ms.is_none())
+        .filter_map(|r| {
+            let t = r.queue_duration_ms? + r.prefill_duration_ms?;
+            let mut c = (**r).clone();
+            c.ttft_ms = Some(t);
+            Some(c)
+        })
+        .collect();
+    let with: Vec<&RequestRecord> = recs
+        .iter()
+        .copied()
+        .filter(|r| r.ttft_ms.is_some())
+        .chain(engine_ttft.iter())
+        .collect();
+    let from_gateway = with.len() - engine_ttft.len();
     b.ev("requests_with_ttft", json!(with.len()));
+    b.ev("requests_with_engine_ttft", json!(engine_ttft.len()));
     b.ev(
         "ttft_source",
-        json!(if engine_ttft.is_empty() {
-            "gateway"
-        } else {
-            "engine_queue_plus_prefill"
+        json!(match (from_gateway, engine_ttft.len()) {
+            (_, 0) => "gateway",
+            (0, _) => "engine_queue_plus_prefill",
+            _ => "gateway_and_engine_queue_plus_prefill",
         }),
     );
     // Concurrency from request intervals.
@@ -1395,6 +1393,10 @@ fn network_step(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Step {
         let h = r.upstream_headers_ms?;
         if r.stream {
             Some(h)
+        } else if r.queue_source == tokenscope_core::PhaseSource::Derived {
+            // The queue was derived from this very time (the gateway's rule for a response
+            // not streamed): nothing is left to tell the network apart.
+            None
         } else {
             let engine = r.queue_duration_ms? + r.prefill_duration_ms? + r.decode_duration_ms?;
             Some((h - engine).max(0.0))
@@ -1690,6 +1692,22 @@ mod tests {
             json!("engine_queue_plus_prefill")
         );
         assert_eq!(s.evidence["requests_with_ttft"], json!(90));
+        assert!(s.findings.contains(&"starvation".to_owned()), "{s:#?}");
+        // Mixed: the long prompts streamed (gateway TTFT), the short ones not: every request
+        // is judged, each on its own source.
+        let mut mixed = recs.clone();
+        for r in mixed.iter_mut().filter(|r| r.input_tokens == Some(3000)) {
+            r.ttft_ms = Some(2000.0);
+            r.stream = true;
+        }
+        let r = diagnose(&mixed, W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        assert_eq!(
+            s.evidence["ttft_source"],
+            json!("gateway_and_engine_queue_plus_prefill")
+        );
+        assert_eq!(s.evidence["requests_with_ttft"], json!(90));
+        assert_eq!(s.evidence["requests_with_engine_ttft"], json!(80));
         assert!(s.findings.contains(&"starvation".to_owned()), "{s:#?}");
         // Without the engine's phases there is still nothing to judge.
         for r in &mut recs {

@@ -115,4 +115,90 @@ async fn llama_long_prompts_starve_short_ones() {
         "llama.cpp case 1: starvation ratio {ratio:.1}; client TTFT after the gateway's: median \
          {median_gap:.1} ms, worst {worst_gap:.1} ms\n{text}"
     );
+    non_streamed_requests_get_a_latency_verdict(&llama.url(), &cfg).await;
+}
+
+/// Issue 21, item 5, on the same llama.cpp (run after case 1, never beside it): short and long
+/// completions, none streamed. The TTFT step judges them on the engine's queue + prefill (from
+/// llama.cpp's `timings`) instead of "unknown", and the blame of each short request that
+/// waited beside a long prefill names the long one.
+async fn non_streamed_requests_get_a_latency_verdict(_engine: &str, cfg: &std::path::Path) {
+    let gw = GatewayProc::start_with_args(None, &["--config", cfg.to_str().expect("utf8")], &[]);
+    let url = gw.url("/v1/completions");
+    let body = |words: usize, n: usize| {
+        serde_json::json!({
+            "model": "gemma-3-270m",
+            "prompt": prose(words, &format!("unstreamed {n}")),
+            "max_tokens": 4,
+            "temperature": 0,
+        })
+    };
+    let send = |b: serde_json::Value, long: bool| {
+        let url = url.clone();
+        tokio::spawn(async move {
+            let hs: &[(&str, &str)] = if long {
+                &[
+                    ("x-tokenscope-user", LONG_CALLER),
+                    ("x-tokenscope-business-line", LONG_LINE),
+                ]
+            } else {
+                &[("x-tokenscope-business-line", SHORT_LINE)]
+            };
+            let (status, _, bytes) = post_json(&url, &b, hs).await;
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+        })
+    };
+    let t0 = unix_s();
+    let mut n = 0;
+    let mut requests = 0u64;
+    for _ in 0..3 {
+        // Short ones alone.
+        for _ in 0..3 {
+            n += 1;
+            send(body(12, n), false).await.expect("short");
+            requests += 1;
+        }
+        // A long one, and short ones while it prefills (~1 s on an idle machine; three
+        // arrive within the first 600 ms).
+        n += 1;
+        let long = send(body(1500, n), true);
+        let mut shorts = Vec::new();
+        for _ in 0..3 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            n += 1;
+            shorts.push(send(body(12, n), false));
+        }
+        long.await.expect("long");
+        for s in shorts {
+            s.await.expect("short");
+        }
+        requests += 4;
+    }
+    let t1 = unix_s();
+    let (db, _dir) = gw.stop();
+    let rows = store_table(&db);
+    assert_eq!(rows.len() as u64, requests);
+    let (r, text) = diagnose(&db.to_string_lossy(), t0, t1, &[]);
+    let ttft = step(&r, "ttft");
+    assert_ne!(ttft["verdict"], "unknown", "{text}");
+    assert_eq!(
+        ttft["evidence"]["ttft_source"], "engine_queue_plus_prefill",
+        "{text}"
+    );
+    assert_eq!(ttft["evidence"]["requests_with_ttft"], requests, "{text}");
+    // Every record's wait is known from the engine's phases: every one has a blame.
+    for row in &rows {
+        assert!(row["blocked_by_requests"].as_i64().is_some(), "{row:?}");
+    }
+    let checked = assert_short_requests_name_the_long_one(
+        &rows,
+        |r| r["input_tokens"].as_i64().unwrap_or(0) > 1000,
+        LONG_CALLER,
+        LONG_LINE,
+    );
+    eprintln!(
+        "llama.cpp, not streamed: TTFT step {} {} ({checked} short requests beside a long \
+         prefill named it)\n{text}",
+        ttft["verdict"], ttft["findings"]
+    );
 }

@@ -259,7 +259,8 @@ pub fn assert_names_starvation(report: &Value, text: &str, long_bucket: &str) ->
 }
 
 /// Asserts the per-request blame of a case-1 run, from the store's rows (`store_table`): every
-/// short request whose wait (`[created_at, created_at + TTFT]`) overlapped a long request's
+/// short request whose wait (`[created_at, created_at + TTFT]`, TTFT = the engine's queue +
+/// prefill when not streamed) overlapped a long request's
 /// prefill (the same interval of the long one) by at least 5 ms names a long request as its
 /// largest blocker, with that request's caller and business line, a positive blocked time
 /// and at least one blocker. Returns how many short requests were checked.
@@ -269,9 +270,13 @@ pub fn assert_short_requests_name_the_long_one(
     long_caller: &str,
     long_line: &str,
 ) -> usize {
+    // The gateway's TTFT, else (not streamed) the engine's queue + prefill.
     let span = |r: &serde_json::Map<String, Value>| -> Option<(f64, f64)> {
         let at = r["created_at"].as_f64()? / 1000.0;
-        Some((at, at + r["ttft_ms"].as_f64()?))
+        let t = r["ttft_ms"].as_f64().or_else(|| {
+            Some(r["queue_duration_ms"].as_f64()? + r["prefill_duration_ms"].as_f64()?)
+        })?;
+        Some((at, at + t))
     };
     let longs: Vec<(String, (f64, f64))> = rows
         .iter()

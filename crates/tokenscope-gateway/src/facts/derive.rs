@@ -9,7 +9,9 @@
 //!   streamed content chunks > output text length / 4 > none; an embeddings answer with
 //!   prompt usage has 0 output tokens.
 //! * Phases: an engine value (finite, ≥ 0) wins; queue is otherwise derived as
-//!   TTFT − prefill − gateway overhead (never negative) when prefill is known.
+//!   TTFT − prefill − gateway overhead (never negative) when prefill is known, and for a
+//!   request not streamed (no TTFT) as time to the response head − prefill − decode −
+//!   gateway overhead when both engine phases are known (the engine answers at the end).
 //! * Outcome: from the HTTP status (2xx ok, 429 rate limited, other 4xx client error, else
 //!   upstream error; no status = `no_response`); an ok answer that was malformed or carried a
 //!   stream error is an upstream error; a forced outcome (the request path's failures, cuts)
@@ -137,9 +139,19 @@ pub(crate) fn derive(
         timings.predicted_ms,
     );
     if rec.queue_source == PhaseSource::None {
+        let overhead = rec.gateway_overhead_ms.unwrap_or(0.0);
         if let (Some(ttft), Some(prefill)) = (rec.ttft_ms, rec.prefill_duration_ms) {
-            let overhead = rec.gateway_overhead_ms.unwrap_or(0.0);
             rec.queue_duration_ms = Some((ttft - prefill - overhead).max(0.0));
+            rec.queue_source = PhaseSource::Derived;
+        } else if let (false, Some(headers), Some(prefill), Some(decode)) = (
+            rec.stream,
+            rec.upstream_headers_ms,
+            rec.prefill_duration_ms,
+            rec.decode_duration_ms,
+        ) {
+            // Not streamed: the engine answers once generation is over, so the time to its
+            // response head is queue + prefill + decode (plus the engine's HTTP front end).
+            rec.queue_duration_ms = Some((headers - prefill - decode - overhead).max(0.0));
             rec.queue_source = PhaseSource::Derived;
         }
     }
@@ -649,6 +661,23 @@ mod tests {
                     f.body_received(at(t0, 0));
                     f.upstream_sent(at(t0, 2));
                     f.timer.on_token_chunk(at(t0, 50));
+                    f.timings = Some(LlamaTimings {
+                        prompt_ms: Some(30.0),
+                        predicted_ms: Some(40.0),
+                        ..LlamaTimings::default()
+                    });
+                },
+                (Some(18.0), PhaseSource::Derived),
+                (Some(30.0), PhaseSource::Engine),
+                (Some(40.0), PhaseSource::Engine),
+            ),
+            (
+                "llama.cpp not streamed: queue from the response head − prefill − decode − overhead",
+                |f, t0| {
+                    f.status = Some(200);
+                    f.body_received(at(t0, 0));
+                    f.upstream_sent(at(t0, 2));
+                    f.timer.mark_headers(at(t0, 90));
                     f.timings = Some(LlamaTimings {
                         prompt_ms: Some(30.0),
                         predicted_ms: Some(40.0),

@@ -177,15 +177,15 @@
       tile("TPOT P99", d, "summary.tpot_ms.p99", "ms")));
     main.append(el("h2", {}, "Quantiles: last 5 min and last hour side by side"));
     const q = el("table", { id: "quantiles" }, el("tr", {}, el("th", {}, ""),
-      el("th", {}, "5m P50"), el("th", {}, "5m P95"), el("th", {}, "5m P99"),
-      el("th", {}, "1h P50"), el("th", {}, "1h P95"), el("th", {}, "1h P99")));
+      el("th", {}, "5m P50"), el("th", {}, "5m P90"), el("th", {}, "5m P95"), el("th", {}, "5m P99"),
+      el("th", {}, "1h P50"), el("th", {}, "1h P90"), el("th", {}, "1h P95"), el("th", {}, "1h P99")));
     for (const [label, m] of [["TTFT", "ttft_ms"], ["TPOT", "tpot_ms"], ["end to end", "e2e_ms"]]) {
       const tr = el("tr", {}, el("td", {}, label));
-      for (const w of [0, 1]) for (const p of ["p50", "p95", "p99"]) tr.append(el("td", {}, num(d, `trailing.${w}.${m}.${p}`, "ms")));
+      for (const w of [0, 1]) for (const p of ["p50", "p90", "p95", "p99"]) tr.append(el("td", {}, num(d, `trailing.${w}.${m}.${p}`, "ms")));
       q.append(tr);
     }
     const reqs = el("tr", {}, el("td", {}, "requests"));
-    for (const w of [0, 1]) reqs.append(el("td", { colSpan: 3 }, num(d, `trailing.${w}.requests`, "int")));
+    for (const w of [0, 1]) reqs.append(el("td", { colSpan: 4 }, num(d, `trailing.${w}.requests`, "int")));
     q.append(reqs);
     main.append(q);
     const c = el("div", { class: "charts" });
@@ -193,9 +193,9 @@
     const t = d.series.t;
     const pick = (x) => drillTo(x, st);
     chart(c, "ttft", "TTFT", "click a point: performance split of that moment", d, t,
-      [{ key: "series.ttft_p50", label: "P50" }, { key: "series.ttft_p95", label: "P95" }, { key: "series.ttft_p99", label: "P99" }], "ms", pick);
+      [{ key: "series.ttft_p50", label: "P50" }, { key: "series.ttft_p90", label: "P90" }, { key: "series.ttft_p95", label: "P95" }, { key: "series.ttft_p99", label: "P99" }], "ms", pick);
     chart(c, "tpot", "TPOT", "click a point to drill down", d, t,
-      [{ key: "series.tpot_p50", label: "P50" }, { key: "series.tpot_p95", label: "P95" }, { key: "series.tpot_p99", label: "P99" }], "ms", pick);
+      [{ key: "series.tpot_p50", label: "P50" }, { key: "series.tpot_p90", label: "P90" }, { key: "series.tpot_p95", label: "P95" }, { key: "series.tpot_p99", label: "P99" }], "ms", pick);
     chart(c, "qps", "QPS", "", d, t, [{ key: "series.qps", label: "req/s" }], "rate", pick);
     chart(c, "success", "Success rate", "", d, t, [{ key: "series.success_rate", label: "ok" }], "pct", pick);
     chart(c, "tokens", "Token rate", "", d, t,

@@ -156,6 +156,8 @@ impl PageWindow {
 pub struct Quantiles {
     /// Median.
     pub p50: Option<f64>,
+    /// 90th percentile.
+    pub p90: Option<f64>,
     /// 95th percentile.
     pub p95: Option<f64>,
     /// 99th percentile.
@@ -166,6 +168,7 @@ impl Quantiles {
     fn of(q: &tokenscope_store::Quantiles) -> Self {
         Quantiles {
             p50: q.p50,
+            p90: q.p90,
             p95: q.p95,
             p99: q.p99,
         }
@@ -506,12 +509,16 @@ pub struct OverviewSeries {
     pub success_rate: Vec<Option<f64>>,
     /// TTFT P50, ms.
     pub ttft_p50: Vec<Option<f64>>,
+    /// TTFT P90, ms.
+    pub ttft_p90: Vec<Option<f64>>,
     /// TTFT P95, ms.
     pub ttft_p95: Vec<Option<f64>>,
     /// TTFT P99, ms.
     pub ttft_p99: Vec<Option<f64>>,
     /// TPOT P50, ms.
     pub tpot_p50: Vec<Option<f64>>,
+    /// TPOT P90, ms.
+    pub tpot_p90: Vec<Option<f64>>,
     /// TPOT P95, ms.
     pub tpot_p95: Vec<Option<f64>>,
     /// TPOT P99, ms.
@@ -563,9 +570,11 @@ pub fn overview(
         qps: per_s(|r| r.count),
         success_rate: col(rate),
         ttft_p50: col(|r| r.ttft.p50),
+        ttft_p90: col(|r| r.ttft.p90),
         ttft_p95: col(|r| r.ttft.p95),
         ttft_p99: col(|r| r.ttft.p99),
         tpot_p50: col(|r| r.tpot.p50),
+        tpot_p90: col(|r| r.tpot.p90),
         tpot_p95: col(|r| r.tpot.p95),
         tpot_p99: col(|r| r.tpot.p99),
         input_tokens_per_s: per_s(|r| r.input_tokens),
@@ -984,6 +993,13 @@ mod tests {
         assert_eq!(o.summary.e2e_ms.p50, Some(500.0));
         assert_eq!(o.summary.e2e_ms.p99, Some(1_000.0));
         assert_eq!(o.summary.ttft_ms.p95, Some(500.0));
+        // Nearest rank: the 9th of ten.
+        assert_eq!(o.summary.e2e_ms.p90, Some(900.0));
+        assert!(o.summary.ttft_ms.p90 <= o.summary.ttft_ms.p95);
+        assert_eq!(
+            o.series.ttft_p90.iter().flatten().count(),
+            o.series.ttft_p95.iter().flatten().count()
+        );
         assert_eq!(o.trailing[0].window, "5m");
         assert_eq!(o.trailing[0].summary.requests, 10);
         assert!((o.trailing[0].summary.qps - 10.0 / 300.0).abs() < 1e-12);

@@ -780,10 +780,60 @@ fn performance() -> Value {
             )],
         ),
     );
+    // The resource layer (article: "GPU 95 % busy but memory bandwidth 40 %": a batch held
+    // small by the KV cache). From the gateway's `[gpu]` reading (NVML or a DCGM exporter).
+    g.row("GPU");
+    g.add(
+        8,
+        8,
+        prom_with(
+            Viz::TimeSeries,
+            "GPU utilization",
+            "Share of time a kernel ran on each GPU, 0–1 (NVML utilization.gpu / DCGM_FI_DEV_GPU_UTIL)",
+            "percentunit",
+            Some(json!([
+                {"color": "green", "value": null},
+                {"color": "orange", "value": 0.9},
+            ])),
+            &[(
+                "max by (gpu) (llm_gpu_utilization_ratio)".to_owned(),
+                "GPU {{gpu}}",
+            )],
+        ),
+    );
+    g.add(
+        8,
+        8,
+        prom(
+            Viz::TimeSeries,
+            "GPU memory bandwidth",
+            "Memory-bandwidth utilization of each GPU, 0–1 (NVML utilization.memory / DCGM_FI_PROF_DRAM_ACTIVE): low while the GPU is busy means small batches",
+            "percentunit",
+            &[(
+                "max by (gpu) (llm_gpu_memory_bandwidth_utilization_ratio)".to_owned(),
+                "GPU {{gpu}}",
+            )],
+        ),
+    );
+    g.add(
+        8,
+        8,
+        prom(
+            Viz::TimeSeries,
+            "GPU memory used",
+            "Used / total memory of each GPU, 0–1 (the KV cache lives here)",
+            "percentunit",
+            &[(
+                "max by (gpu) (llm_gpu_memory_used_bytes) / max by (gpu) (llm_gpu_memory_total_bytes)"
+                    .to_owned(),
+                "GPU {{gpu}}",
+            )],
+        ),
+    );
     dashboard(
         "tokenscope-performance",
         "tokenscope — Performance",
-        "Queue / prefill / decode split, latency by input length and request type, engine load and KV cache",
+        "Queue / prefill / decode split, latency by input length and request type, engine load and KV cache, GPU",
         vec![
             datasource_var("datasource", "Prometheus", PROMETHEUS_TYPE),
             datasource_var("clickhouse", "ClickHouse", CLICKHOUSE_TYPE),

@@ -119,11 +119,23 @@ async fn dashboard_pages_show_the_apis_numbers_in_chromium() {
     let store = dir.path().join("dash.db");
     let started = now_s();
     let seeded = seed(&store, started);
+    // The performance page's GPU panel reads a DCGM exporter (a recorded exposition).
+    let dcgm = common::Fixture::start(|_| {
+        common::Reply::sized(
+            "text/plain; version=0.0.4",
+            include_str!("../../tokenscope-engine-state/tests/fixtures/dcgm_metrics.txt"),
+        )
+    })
+    .await;
     let config = dir.path().join("gw.toml");
     std::fs::write(
         &config,
         format!(
             r#"
+[gpu]
+dcgm_url = "{dcgm}/metrics"
+interval_ms = 300
+
 [tracing]
 otlp_endpoint = "http://127.0.0.1:{dead}"
 sample_ratio = 1.0
@@ -142,7 +154,8 @@ business_line = "search"
 period = "daily"
 usd = 0.001
 "#,
-            dead = common::dead_port()
+            dead = common::dead_port(),
+            dcgm = dcgm.url()
         ),
     )
     .expect("config");

@@ -251,6 +251,14 @@ def main():
             if not ok:
                 fail(f"blame cell {text!r} does not say {b!r}")
         report["blame_cells"] = {"rows": len(cells), "behind_someone": measured}
+        # The GPU panel: one row per GPU the gateway read (the test's DCGM exporter has two),
+        # and latency by GPU utilisation band at arrival.
+        gpu_rows = driver.find_elements(By.CSS_SELECTOR, "#gpu-now tr")
+        if len(dp["gpu"]["now"]) < 1 or len(gpu_rows) != len(dp["gpu"]["now"]) + 1:
+            fail(f"GPU table: {len(gpu_rows) - 1} rows for {len(dp['gpu']['now'])} GPUs")
+        if len(driver.find_elements(By.CSS_SELECTOR, "#by-gpu-band tr")) != 5:
+            fail("the latency-by-GPU-band table does not list the four bands")
+        report["gpus"] = len(dp["gpu"]["now"])
         shot(driver, a.out, "drilldown-request")
 
         # --- drill-down from a chart point (the TTFT chart) -------------------------

@@ -6,7 +6,8 @@
 //!   data dir) scrapes the gateway's admin `/metrics` every second and evaluates the rules of
 //!   `tokenscope export prometheus-rules` every second, while the gateway proxies a mixed load
 //!   (two models, two request types, two business lines, three users, streaming and not, some
-//!   upstream errors) to the built-in mock engine. Then every PromQL target of every panel
+//!   upstream errors) to the built-in mock engine, with a recorded DCGM exporter exposition
+//!   (two H100s) as its `[gpu]` source. Then every PromQL target of every panel
 //!   (template variables substituted: `.*` and concrete values), every variable's
 //!   `label_values` query, every recording rule's `expr` and every recorded series returns a
 //!   non-empty result from Prometheus' HTTP API, and the key numbers are the load's;
@@ -355,12 +356,24 @@ async fn grafana_every_panel_query_returns_data() {
         None
     };
     let mock = MockProc::start(&[]);
+    // The GPU panels read a DCGM exporter: a recorded exposition of two H100s, served as is.
+    let dcgm = Fixture::start(|_| {
+        Reply::sized(
+            "text/plain; version=0.0.4",
+            include_str!("../../tokenscope-engine-state/tests/fixtures/dcgm_metrics.txt"),
+        )
+    })
+    .await;
     let cfg = dir.path().join("gw.toml");
     std::fs::write(
         &cfg,
-        "[[prices]]\nmodel = \"*\"\ninput_per_mtok = 1.0\noutput_per_mtok = 4.0\n\n\
-         [[budgets]]\nbusiness_line = \"search\"\ntokens = 1000000\n\n\
-         [[budgets]]\nbusiness_line = \"ads\"\nusd = 10.0\n",
+        format!(
+            "[[prices]]\nmodel = \"*\"\ninput_per_mtok = 1.0\noutput_per_mtok = 4.0\n\n\
+             [[budgets]]\nbusiness_line = \"search\"\ntokens = 1000000\n\n\
+             [[budgets]]\nbusiness_line = \"ads\"\nusd = 10.0\n\n\
+             [gpu]\ndcgm_url = \"{}/metrics\"\ninterval_ms = 500\n",
+            dcgm.url()
+        ),
     )
     .expect("write gateway config");
     let mut args = vec!["--config".to_owned(), cfg.display().to_string()];
@@ -451,6 +464,37 @@ async fn grafana_every_panel_query_returns_data() {
         }
     }
     assert!(checked >= 40, "only {checked} PromQL checks");
+    // The GPU panels show the exporter's numbers (two H100s: 87 % / 45 % busy, 0.69 / 0.31
+    // memory bandwidth).
+    let gpu = |q: &'static str| {
+        let prom = &prom;
+        async move {
+            let mut v: Vec<(String, f64)> = prom
+                .query(q)
+                .await
+                .iter()
+                .map(|s| {
+                    (
+                        s["metric"]["gpu"].as_str().unwrap_or("").to_owned(),
+                        s["value"][1]
+                            .as_str()
+                            .and_then(|x| x.parse().ok())
+                            .unwrap_or(f64::NAN),
+                    )
+                })
+                .collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        }
+    };
+    assert_eq!(
+        gpu("max by (gpu) (llm_gpu_utilization_ratio)").await,
+        [("0".to_owned(), 0.87), ("1".to_owned(), 0.45)]
+    );
+    assert_eq!(
+        gpu("max by (gpu) (llm_gpu_memory_bandwidth_utilization_ratio)").await,
+        [("0".to_owned(), 0.690789), ("1".to_owned(), 0.312201)]
+    );
 
     // Every recording rule: its expression and its recorded series, evaluated by Prometheus.
     let mut recorded = Vec::new();

@@ -235,6 +235,32 @@
         el("td", {}, num(d, k + ".split.decode_ms", "ms"))));
     });
     main.append(b);
+    // The resource layer: the GPUs now (the gateway's [gpu] reading) and latency by their
+    // utilisation at the requests' arrival (from the store).
+    main.append(el("h2", {}, "GPU"));
+    const gpus = get(d, "gpu.now") || [];
+    if (gpus.length) {
+      const g = el("table", { id: "gpu-now" }, el("tr", {}, el("th", {}, "GPU"), el("th", {}, "model"),
+        el("th", {}, "utilization"), el("th", {}, "memory bandwidth"), el("th", {}, "memory used")));
+      gpus.forEach((r, i) => {
+        const k = "gpu.now." + i;
+        g.append(el("tr", {}, el("td", {}, r.gpu), el("td", {}, r.model_name || "–"),
+          el("td", {}, num(d, k + ".utilization", "pct")), el("td", {}, num(d, k + ".memory_bandwidth", "pct")),
+          el("td", {}, num(d, k + ".memory_used_ratio", "pct"))));
+      });
+      main.append(g);
+    } else {
+      main.append(el("div", { class: "empty", id: "gpu-none" }, "no GPU telemetry (configure [gpu]: NVML or a DCGM exporter)"));
+    }
+    const gb = el("table", { id: "by-gpu-band" }, el("tr", {}, el("th", {}, "GPU utilization at arrival"), el("th", {}, "requests"),
+      el("th", {}, "TTFT P50"), el("th", {}, "TTFT P99"), el("th", {}, "TPOT P50"), el("th", {}, "TPOT P99")));
+    (get(d, "gpu.by_gpu_band") || []).forEach((r, i) => {
+      const k = "gpu.by_gpu_band." + i;
+      gb.append(el("tr", {}, el("td", {}, r.gpu_band), el("td", {}, num(d, k + ".requests", "int")),
+        el("td", {}, num(d, k + ".ttft_ms.p50", "ms")), el("td", {}, num(d, k + ".ttft_ms.p99", "ms")),
+        el("td", {}, num(d, k + ".tpot_ms.p50", "ms")), el("td", {}, num(d, k + ".tpot_ms.p99", "ms"))));
+    });
+    main.append(gb);
     main.append(el("h2", {}, "Slowest requests"), slowTable(d, "slowest", st));
   }
 

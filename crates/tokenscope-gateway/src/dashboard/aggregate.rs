@@ -300,12 +300,56 @@ pub struct TraceLinks<'a> {
     pub url_template: Option<&'a str>,
 }
 
-/// What a page reads besides the store: the trace links and the pipeline's backlog.
+/// What a page reads besides the store: the trace links, the pipeline's backlog and the GPUs'
+/// current reading.
 pub struct PageContext<'a> {
     /// Trace links of the slowest requests.
     pub links: TraceLinks<'a>,
     /// Records not in the store yet ([`Frame::not_yet_stored`]).
     pub not_yet_stored: u64,
+    /// The gateway's last `[gpu]` reading (empty without GPU telemetry).
+    pub gpus: Vec<GpuNow>,
+}
+
+/// One GPU as the gateway read it last (`[gpu]`: NVML or a DCGM exporter).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuNow {
+    /// Index / id.
+    pub gpu: String,
+    /// Model name.
+    pub model_name: Option<String>,
+    /// Utilisation, 0–1.
+    pub utilization: Option<f64>,
+    /// Memory-bandwidth utilisation, 0–1.
+    pub memory_bandwidth: Option<f64>,
+    /// Memory used, bytes.
+    pub memory_used_bytes: Option<u64>,
+    /// Memory total, bytes.
+    pub memory_total_bytes: Option<u64>,
+    /// Used / total, 0–1.
+    pub memory_used_ratio: Option<f64>,
+}
+
+/// Latency of the requests that arrived while the GPUs' utilisation was in one band.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuBandLatency {
+    /// `0-50%`, `50-80%`, `80-95%`, `95-100%`.
+    pub gpu_band: &'static str,
+    /// Requests.
+    pub requests: u64,
+    /// TTFT, ms.
+    pub ttft_ms: Quantiles,
+    /// TPOT, ms.
+    pub tpot_ms: Quantiles,
+}
+
+/// The performance page's GPU panel.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuPanel {
+    /// The GPUs now.
+    pub now: Vec<GpuNow>,
+    /// Latency by GPU utilisation at arrival (every band, lowest first; from the store).
+    pub by_gpu_band: Vec<GpuBandLatency>,
 }
 
 fn slow_request(r: &RequestRecord, links: &TraceLinks<'_>) -> SlowRequest {
@@ -705,6 +749,8 @@ pub struct Performance {
     pub series: PerformanceSeries,
     /// The slowest requests with their split.
     pub slowest: Vec<SlowRequest>,
+    /// The GPUs: now, and latency by their utilisation at the requests' arrival.
+    pub gpu: GpuPanel,
 }
 
 /// Builds the performance page from the store's aggregates.
@@ -739,7 +785,26 @@ pub fn performance(
             }
         })
         .collect();
+    let by_gpu = report(reader, w, f, vec![Dimension::GpuBand], false)?;
+    let by_gpu_band = tokenscope_store::report::KV_BANDS
+        .into_iter()
+        .map(|band| {
+            let row = by_gpu
+                .iter()
+                .find(|r| r.group.first().is_some_and(|(_, v)| v == band));
+            GpuBandLatency {
+                gpu_band: band,
+                requests: row.map_or(0, |r| r.count),
+                ttft_ms: row.map_or(Quantiles::default(), |r| Quantiles::of(&r.ttft)),
+                tpot_ms: row.map_or(Quantiles::default(), |r| Quantiles::of(&r.tpot)),
+            }
+        })
+        .collect();
     Ok(Performance {
+        gpu: GpuPanel {
+            now: cx.gpus.clone(),
+            by_gpu_band,
+        },
         requests: whole.first().map_or(0, |r| r.count),
         split: split(whole.first()),
         engine: engine(&merged(&usage(reader, w, f, vec![], false)?)),
@@ -940,6 +1005,7 @@ mod tests {
                 url_template: None,
             },
             not_yet_stored: 0,
+            gpus: Vec::new(),
         }
     }
 
@@ -1050,18 +1116,40 @@ mod tests {
         a.decode_duration_ms = Some(70.0);
         a.engine_running = Some(4.0);
         a.engine_kv_usage = Some(0.5);
+        a.gpu_utilization = Some(0.97);
         let mut b = rec("b", 7.0, "m", 300.0);
         b.input_bucket = Some(InputBucket::B2048Plus);
         b.queue_duration_ms = Some(30.0);
         b.engine_running = Some(8.0);
-        let p = performance(
-            &store_of(&[a, b]),
-            Range::M5,
-            &w,
-            &Filters::default(),
-            &no_links(),
-        )
-        .expect("page");
+        b.gpu_utilization = Some(0.3);
+        let mut cx = no_links();
+        cx.gpus = vec![GpuNow {
+            gpu: "0".into(),
+            model_name: Some("NVIDIA H100".into()),
+            utilization: Some(0.95),
+            memory_bandwidth: Some(0.4),
+            memory_used_bytes: Some(60),
+            memory_total_bytes: Some(80),
+            memory_used_ratio: Some(0.75),
+        }];
+        let p =
+            performance(&store_of(&[a, b]), Range::M5, &w, &Filters::default(), &cx).expect("page");
+        // GPU: now as read, and latency by utilisation band at arrival.
+        assert_eq!(p.gpu.now, cx.gpus);
+        let bands: Vec<(&str, u64)> = p
+            .gpu
+            .by_gpu_band
+            .iter()
+            .map(|b| (b.gpu_band, b.requests))
+            .collect();
+        assert_eq!(
+            bands,
+            [("0-50%", 1), ("50-80%", 0), ("80-95%", 0), ("95-100%", 1)]
+        );
+        assert_eq!(
+            p.gpu.by_gpu_band[3].ttft_ms.p50,
+            p.by_input_bucket[0].ttft_ms.p50
+        );
         assert_eq!(p.split.queue_ms, Some(20.0));
         assert_eq!(p.split.prefill_ms, Some(20.0));
         assert_eq!(p.engine.running, Some(6.0));
@@ -1157,6 +1245,7 @@ mod tests {
                 url_template: Some("http://jaeger/trace/{trace_id}"),
             },
             not_yet_stored: 0,
+            gpus: Vec::new(),
         };
         let o = overview(
             &store_of(&[a, b]),

@@ -291,6 +291,28 @@ fn render(
             url_template: shared.cfg.dashboard.trace_url.as_deref(),
         },
         not_yet_stored,
+        gpus: shared
+            .gpu
+            .as_ref()
+            .and_then(|g| g.snapshot())
+            .map(|snap| {
+                snap.gpus
+                    .iter()
+                    .map(|g| aggregate::GpuNow {
+                        gpu: g.gpu.clone(),
+                        model_name: g.model_name.clone(),
+                        utilization: g.utilization,
+                        memory_bandwidth: g.memory_bandwidth_utilization,
+                        memory_used_bytes: g.memory_used_bytes,
+                        memory_total_bytes: g.memory_total_bytes,
+                        memory_used_ratio: match (g.memory_used_bytes, g.memory_total_bytes) {
+                            (Some(u), Some(t)) if t > 0 => Some(u as f64 / t as f64),
+                            _ => None,
+                        },
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
     };
     let err = |e: tokenscope_store::StoreError| e.to_string();
     Ok(match page {

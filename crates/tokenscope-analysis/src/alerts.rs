@@ -13,6 +13,10 @@
 //!   the records, uses the queue-time P99 by model (`queue_p99_seconds`) — P1;
 //! * budget burn / budget exceeded by business line, from usage ratios the caller passes (the
 //!   same values as `llm_budget_usage_ratio`) — P2 / P1;
+//! * per caller (`user_id`, else API key, else tenant; at most [`MAX_TRACKED_CALLERS`]
+//!   tracked, the rest counted in [`AlertEvaluator::callers_untracked`]): the same test on
+//!   this replica's samples (`LLMCallerTokenRateAnomaly`, P2, label `caller`, the business
+//!   line in the text); a caller with no baseline must exceed `token_anomaly_caller_min_rate`;
 //! * token rate by model over `rate_window` above `token_anomaly_factor` × its average rate
 //!   over the `baseline` that ended `baseline` ago, and above `token_anomaly_min_rate` — P2.
 //!   Only evaluated once the history covers that baseline (Prometheus has no value either).
@@ -38,6 +42,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 use tokenscope_core::success::SuccessCount;
 use tokenscope_core::{Outcome, RequestRecord};
+
+/// Callers tracked at most by the per-caller token anomaly (each holds ≤ ~120 buckets).
+pub const MAX_TRACKED_CALLERS: usize = 1000;
 
 /// Severity label values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
@@ -98,6 +105,9 @@ pub struct AlertThresholds {
     pub token_anomaly_factor: f64,
     /// Token rate (tokens/s) below which no anomaly is reported. Default 1.
     pub token_anomaly_min_rate: f64,
+    /// Gateway evaluator, `LLMCallerTokenRateAnomaly`: the token rate (tokens/s) a caller
+    /// without a baseline (a new caller) must exceed. Default 100.
+    pub token_anomaly_caller_min_rate: f64,
     /// Length of the baseline and how long ago it ended. Default 3600.
     pub token_anomaly_baseline_seconds: u64,
     /// `for:` of the token anomaly alert. Default 600.
@@ -124,6 +134,7 @@ impl Default for AlertThresholds {
             budget_for_seconds: 300,
             token_anomaly_factor: 3.0,
             token_anomaly_min_rate: 1.0,
+            token_anomaly_caller_min_rate: 100.0,
             token_anomaly_baseline_seconds: 3600,
             token_anomaly_for_seconds: 600,
             store_down_for_seconds: 300,
@@ -145,6 +156,10 @@ impl AlertThresholds {
             ("budget_exceeded_ratio", self.budget_exceeded_ratio),
             ("token_anomaly_factor", self.token_anomaly_factor),
             ("token_anomaly_min_rate", self.token_anomaly_min_rate),
+            (
+                "token_anomaly_caller_min_rate",
+                self.token_anomaly_caller_min_rate,
+            ),
         ] {
             if !v.is_finite() || v < 0.0 {
                 return bad(format!("{name} = {v} must be a finite number >= 0"));
@@ -177,6 +192,11 @@ pub struct AlertSample {
     /// Input + output tokens (cached tokens are part of input, as on `llm_tokens_total`
     /// without `token_type="cached"`).
     pub tokens: u64,
+    /// The caller (`user_id`, else `key:<api_key_id>`, else `tenant:<tenant>`), for the
+    /// per-caller token anomaly.
+    pub caller: Option<String>,
+    /// The request's business line (named in the per-caller alert).
+    pub business_line: Option<String>,
 }
 
 impl AlertSample {
@@ -190,6 +210,12 @@ impl AlertSample {
             tpot_s: r.tpot_ms.map(|v| v / 1000.0),
             queue_s: r.queue_duration_ms.map(|v| v / 1000.0),
             tokens: crate::total_tokens(r),
+            caller: r
+                .user_id
+                .clone()
+                .or_else(|| r.api_key_id.as_ref().map(|k| format!("key:{k}")))
+                .or_else(|| r.tenant.as_ref().map(|t| format!("tenant:{t}"))),
+            business_line: r.business_line.clone(),
         }
     }
 }
@@ -313,6 +339,10 @@ pub struct AlertEvaluator {
     samples: VecDeque<AlertSample>,
     /// Tokens by model and bucket index (`at_us / bucket_us`), for the anomaly baseline.
     token_buckets: BTreeMap<String, BTreeMap<i64, u64>>,
+    /// The same by caller, for at most [`MAX_TRACKED_CALLERS`] callers.
+    caller_buckets: BTreeMap<String, BTreeMap<i64, u64>>,
+    /// Samples of callers beyond [`MAX_TRACKED_CALLERS`] (not in the per-caller anomaly).
+    callers_untracked: u64,
     bucket_us: i64,
     /// Length of the anomaly baseline (and how long ago it ended), µs.
     baseline_us: i64,
@@ -371,6 +401,8 @@ impl AlertEvaluator {
             opts,
             samples: VecDeque::new(),
             token_buckets: BTreeMap::new(),
+            caller_buckets: BTreeMap::new(),
+            callers_untracked: 0,
             first_at_us: None,
             incidents: BTreeMap::new(),
             samples_dropped: 0,
@@ -402,16 +434,36 @@ impl AlertEvaluator {
         self.fleet_tokens = fleet;
     }
 
+    /// Samples of callers beyond the tracked ones (see [`MAX_TRACKED_CALLERS`]).
+    pub fn callers_untracked(&self) -> u64 {
+        self.callers_untracked
+    }
+
     /// Adds a finished request.
     pub fn push(&mut self, s: AlertSample) {
         self.first_at_us = Some(self.first_at_us.map_or(s.at_us, |f| f.min(s.at_us)));
         if s.tokens > 0 {
+            let b = s.at_us.div_euclid(self.bucket_us);
             *self
                 .token_buckets
                 .entry(s.model.clone())
                 .or_default()
-                .entry(s.at_us.div_euclid(self.bucket_us))
+                .entry(b)
                 .or_default() += s.tokens;
+            if let Some(c) = &s.caller {
+                if self.caller_buckets.len() < MAX_TRACKED_CALLERS
+                    || self.caller_buckets.contains_key(c)
+                {
+                    *self
+                        .caller_buckets
+                        .entry(c.clone())
+                        .or_default()
+                        .entry(b)
+                        .or_default() += s.tokens;
+                } else {
+                    self.callers_untracked += 1;
+                }
+            }
         }
         if self.samples.len() >= self.opts.max_samples.max(1) {
             self.samples.pop_front();
@@ -634,6 +686,59 @@ impl AlertEvaluator {
                 });
             }
         }
+        // The same per caller, on this replica's samples: a caller whose token rate is far
+        // above its own baseline. A caller without a baseline (new) needs
+        // `token_anomaly_caller_min_rate`: new users arrive all the time.
+        if local_covered {
+            let mut by_caller: BTreeMap<&str, (u64, Option<&str>)> = BTreeMap::new();
+            for s in self
+                .samples
+                .iter()
+                .filter(|s| s.at_us > since && s.at_us <= now_us)
+            {
+                if let Some(c) = s.caller.as_deref() {
+                    let e = by_caller.entry(c).or_default();
+                    e.0 += s.tokens;
+                    if s.business_line.is_some() {
+                        e.1 = s.business_line.as_deref();
+                    }
+                }
+            }
+            for (caller, (tokens, line)) in by_caller {
+                let Some(buckets) = self.caller_buckets.get(caller) else {
+                    continue; // beyond the tracked callers
+                };
+                let rate = tokens as f64 / t.rate_window_seconds as f64;
+                let base_tokens: u64 = buckets.range(lo..hi).map(|(_, n)| n).sum();
+                let base_rate =
+                    base_tokens as f64 / ((hi - lo).max(1) * self.bucket_us) as f64 * 1e6;
+                let floor = if base_tokens == 0 {
+                    t.token_anomaly_caller_min_rate
+                } else {
+                    t.token_anomaly_min_rate
+                };
+                if rate > t.token_anomaly_factor * base_rate && rate > floor {
+                    let of_line = line.map(|l| format!(" ({l})")).unwrap_or_default();
+                    out.push(Condition {
+                        name: names::CALLER_TOKEN_ANOMALY,
+                        severity: Severity::P2,
+                        tier: "cost",
+                        key: "caller",
+                        summary: format!("Token rate of caller {caller}{of_line} far above its baseline"),
+                        description: format!(
+                            "Token rate of caller {caller}{of_line} is {} tokens/s over {w}, over {}x \
+                             its baseline ({} tokens/s): a loop, a retry storm or a runaway job?",
+                            fmt_value(rate),
+                            t.token_anomaly_factor,
+                            fmt_value(base_rate)
+                        ),
+                        key_value: caller.to_owned(),
+                        value: rate,
+                        for_s: t.token_anomaly_for_seconds,
+                    });
+                }
+            }
+        }
         for (line, ratio) in budget {
             for (name, severity, thr) in [
                 (names::BUDGET_BURN, Severity::P2, t.budget_warning_ratio),
@@ -673,10 +778,12 @@ impl AlertEvaluator {
             self.samples.pop_front();
         }
         let keep_from = (now_us - 2 * self.baseline_us).div_euclid(self.bucket_us) - 1;
-        self.token_buckets.retain(|_, b| {
-            *b = b.split_off(&keep_from);
-            !b.is_empty()
-        });
+        for buckets in [&mut self.token_buckets, &mut self.caller_buckets] {
+            buckets.retain(|_, b| {
+                *b = b.split_off(&keep_from);
+                !b.is_empty()
+            });
+        }
     }
 
     /// Evaluates every condition at `now_us` (with the business lines' budget usage ratios,
@@ -812,6 +919,8 @@ mod tests {
             tpot_s: Some(0.02),
             queue_s: Some(0.01),
             tokens: 100,
+            caller: None,
+            business_line: None,
         }
     }
 
@@ -1033,6 +1142,81 @@ mod tests {
         assert_eq!(n[0].alert.name(), names::TOKEN_ANOMALY);
         assert_eq!(n[0].state, NotificationState::Firing);
         assert_eq!(n[1].state, NotificationState::Resolved);
+    }
+
+    #[test]
+    fn alerts_one_callers_token_surge_fires_once_naming_it() {
+        // Issue 21: live token alerting per caller. Two callers at a flat 10 req/s each; then
+        // "looper" alone jumps 10x while the model's total rises 5.5x: the caller alert names
+        // it (and its business line); the quiet caller stays silent.
+        let t = AlertThresholds {
+            rate_window_seconds: 2,
+            token_anomaly_baseline_seconds: 2,
+            token_anomaly_for_seconds: 1,
+            token_anomaly_factor: 3.0,
+            ..t_fast()
+        };
+        let mut ev = AlertEvaluator::new(t, EvaluatorOptions::default());
+        ev.start_at(0);
+        let mut out = Vec::new();
+        for sec in 0..40i64 {
+            for (caller, per_s) in [
+                ("quiet", 10u64),
+                ("looper", if sec >= 30 { 100 } else { 10 }),
+            ] {
+                for i in 0..per_s {
+                    let mut x = sample(sec * S + (i as i64 * S) / per_s as i64, Outcome::Ok);
+                    x.caller = Some(caller.to_owned());
+                    x.business_line = Some(format!("{caller}-line"));
+                    ev.push(x);
+                }
+            }
+            out.extend(ev.evaluate((sec + 1) * S, &[]));
+        }
+        let callers: Vec<&Notification> = out
+            .iter()
+            .filter(|n| n.alert.name() == names::CALLER_TOKEN_ANOMALY)
+            .collect();
+        let firing: Vec<_> = callers
+            .iter()
+            .filter(|n| n.state == NotificationState::Firing)
+            .collect();
+        assert_eq!(firing.len(), 1, "{callers:#?}");
+        let a = &firing[0].alert;
+        assert_eq!(a.labels["caller"], "looper");
+        assert_eq!(a.labels["tier"], "cost");
+        assert!(
+            a.annotations["summary"].contains("looper (looper-line)"),
+            "{a:?}"
+        );
+        // A new caller needs the higher floor: 20 tokens/s of a newcomer is not an anomaly.
+        let mut ev = AlertEvaluator::new(
+            AlertThresholds {
+                rate_window_seconds: 2,
+                token_anomaly_baseline_seconds: 2,
+                token_anomaly_for_seconds: 0,
+                ..t_fast()
+            },
+            EvaluatorOptions::default(),
+        );
+        ev.start_at(0);
+        let mut x = sample(9 * S, Outcome::Ok);
+        x.caller = Some("newcomer".into());
+        ev.push(x);
+        let n = ev.evaluate(10 * S, &[]);
+        assert!(
+            !n.iter()
+                .any(|n| n.alert.name() == names::CALLER_TOKEN_ANOMALY),
+            "{n:#?}"
+        );
+        // Bounded: callers beyond the tracked ones are counted, not kept.
+        let mut ev = AlertEvaluator::new(t_fast(), EvaluatorOptions::default());
+        for i in 0..(MAX_TRACKED_CALLERS + 5) {
+            let mut x = sample(S, Outcome::Ok);
+            x.caller = Some(format!("c{i}"));
+            ev.push(x);
+        }
+        assert_eq!(ev.callers_untracked(), 5);
     }
 
     #[test]

@@ -40,6 +40,9 @@ pub mod names {
     pub const BUDGET_EXCEEDED: &str = "LLMBudgetExceeded";
     /// P2: token rate of a model far above its baseline.
     pub const TOKEN_ANOMALY: &str = "LLMTokenRateAnomaly";
+    /// P2 (gateway evaluator only: Prometheus has no per-caller label): one caller's token
+    /// rate far above its own baseline.
+    pub const CALLER_TOKEN_ANOMALY: &str = "LLMCallerTokenRateAnomaly";
     /// P1: accepted records were lost.
     pub const RECORDS_LOST: &str = "TokenscopeRecordsLost";
     /// P1: the store does not accept writes.

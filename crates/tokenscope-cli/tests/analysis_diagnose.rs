@@ -412,3 +412,115 @@ async fn a_caller_looping_on_one_prompt_is_not_healthy() {
     assert_ne!(r["conclusion"]["verdict"], "healthy", "{text}");
     assert!(has(&tokens["remedies"], "fix looper's client"), "{text}");
 }
+
+/// Issue 21 acceptance: `diagnose` over a grid of mock configurations. Closed-loop clients of
+/// 1,500-token prompts against slots 4…64 and a KV cache of 8k…64k tokens: the cache fits
+/// 5 (8k) or 42 (64k) of them. Each configuration implies what holds the batch:
+/// * fewer fit the cache than there are slots, and more clients than fit → the KV cache;
+/// * the cache fits every slot, more clients than slots → the slots;
+/// * fewer clients than slots and than fit → nothing (no queue to blame).
+///
+/// Every configuration gets that verdict, and none a remedy that would make it worse: no
+/// "lower the maximum batch" anywhere (it only lengthens queues), no "raise the maximum batch"
+/// when the cache is what limits (slots the cache cannot fill), no KV-cache remedy where the
+/// slots limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn diagnose_over_a_grid_of_engine_configurations() {
+    // Real time: the engine state is scraped every 100 ms, so a run must last long enough
+    // for the state at the requests' arrival to be the state they met.
+    const SCALE: f64 = 1.0;
+    let prompt_tokens = 1500u64; // chat(748, ·) counts 748 × 2 + 4
+    let out = 16u64;
+    let mut seen = Vec::new();
+    for (slots, kv, clients) in [
+        (4usize, 8_000u64, 8usize),
+        (4, 64_000, 8),
+        (16, 8_000, 24),
+        (16, 64_000, 32),
+        (16, 64_000, 6),
+        (64, 8_000, 24),
+        (64, 64_000, 96),
+    ] {
+        let fit = (kv / (prompt_tokens + out)) as usize;
+        let expect = if fit < slots && clients > fit {
+            "kv_cache"
+        } else if clients > slots {
+            "slots"
+        } else {
+            "none"
+        };
+        let mock = MockProc::start(&[
+            "--time-scale",
+            &SCALE.to_string(),
+            "--slots",
+            &slots.to_string(),
+            "--kv-tokens",
+            &kv.to_string(),
+        ]);
+        let dir = tempfile::tempdir().expect("tmp");
+        let cfg = config(dir.path(), &mock.url());
+        let gw = GatewayProc::start_with_args(None, &["--config", &cfg], &[]);
+        let url = gw.url("/v1/chat/completions");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let t0 = unix_s();
+        let mut tasks = Vec::new();
+        for _ in 0..clients {
+            let url = url.clone();
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..3 {
+                    let s = stream(&url, &chat(748, out), &[], None).await;
+                    assert_eq!(s.status, 200);
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.expect("task");
+        }
+        let t1 = unix_s();
+        let (db, _dir) = gw.stop();
+        // Default thresholds; the configured maximum batch given.
+        let (r, text) = diagnose(
+            &db.to_string_lossy(),
+            t0,
+            t1,
+            &["--max-batch", &slots.to_string()],
+        );
+        let label =
+            format!("slots {slots}, KV {kv} (fits {fit}), {clients} clients: expected {expect}");
+        let ttft = step(&r, "ttft");
+        let held = ttft["evidence"]["batch_held_by"].as_str().unwrap_or("?");
+        seen.push(format!(
+            "{label}: got {held}, conclusion {} {}",
+            r["conclusion"]["step"], r["conclusion"]["findings"]
+        ));
+        assert_eq!(held, expect, "{label}\n{text}");
+        let remedies: Vec<String> = r["steps"]
+            .as_array()
+            .expect("steps")
+            .iter()
+            .chain(std::iter::once(&r["conclusion"]))
+            .flat_map(|s| s["remedies"].as_array().cloned().unwrap_or_default())
+            .filter_map(|m| m.as_str().map(str::to_owned))
+            .collect();
+        let any = |needle: &str| remedies.iter().any(|m| m.contains(needle));
+        assert!(!any("lower the maximum batch"), "{label}\n{text}");
+        match expect {
+            "kv_cache" => {
+                assert!(!any("raise the engine's maximum batch"), "{label}\n{text}");
+                assert!(has(&ttft["findings"], "queue_kv_bound"), "{label}\n{text}");
+                assert!(any("KV-cache quantization"), "{label}\n{text}");
+            }
+            "slots" => {
+                assert!(!any("KV-cache quantization"), "{label}\n{text}");
+                if has(&ttft["findings"], "queueing") {
+                    assert!(any("raise the engine's maximum batch"), "{label}\n{text}");
+                }
+            }
+            _ => {
+                assert!(!has(&ttft["findings"], "queue_kv_bound"), "{label}\n{text}");
+                assert!(!has(&ttft["findings"], "queueing"), "{label}\n{text}");
+            }
+        }
+    }
+    eprintln!("{}", seen.join("\n"));
+}

@@ -7,6 +7,12 @@
 //!   original, every later one a repeat. An exact-match **response cache** would have answered
 //!   each repeat: its saving is the repeat's input + output tokens (and its cost). The input
 //!   tokens alone (what a prompt/prefix cache saves) are reported beside it.
+//! * **Near-identical prompts.** Records of one model whose prompt sketches
+//!   (`prompt_sketch`, computed at the gateway: a SimHash of the prompt's word shingles with
+//!   numbers and ids masked; no text) are within `near_max_distance` bits, chained, holding at
+//!   least two distinct prompts: templated prompts whose id or date changes. Every request
+//!   after a group's first that is not an exact repeat is what a template-aware cache would
+//!   have served (reported, not added to the total: the answers may differ).
 //! * **Truncation.** Per request type, the share of records with `finish_reason = "length"`
 //!   (cut by `max_tokens`): a quality problem, not a saving (reported, not added to the total).
 //! * **Output length.** Per request type with at least `min_samples` outputs: the median output;
@@ -42,6 +48,11 @@ pub struct WasteOptions {
     pub bloat_iqr_k: f64,
     /// Duplicates listed (top N by tokens saved) (10).
     pub top: usize,
+    /// Near-duplicates: prompt sketches at most this many bits apart are near-identical (7,
+    /// at most 7). Masked fields (numbers, ids, dates) move no bit; a one-word edit moves
+    /// about 8 bits in a 25-word prompt, fewer in a longer one; unrelated prompts differ in
+    /// 20–40.
+    pub near_max_distance: u32,
 }
 
 impl Default for WasteOptions {
@@ -51,6 +62,7 @@ impl Default for WasteOptions {
             overlong_factor: 4.0,
             bloat_iqr_k: 3.0,
             top: 10,
+            near_max_distance: 7,
         }
     }
 }
@@ -67,6 +79,9 @@ impl WasteOptions {
         }
         if !(self.bloat_iqr_k.is_finite() && self.bloat_iqr_k >= 0.0) {
             return bad("bloat IQR multiplier must be ≥ 0");
+        }
+        if self.near_max_distance > 7 {
+            return bad("near-duplicate distance must be at most 7 bits");
         }
         Ok(())
     }
@@ -125,6 +140,53 @@ pub struct Duplicates {
     pub saved_usd: Option<f64>,
     /// The largest, by tokens saved.
     pub top: Vec<DuplicatePrompt>,
+}
+
+/// A group of near-identical prompts: one model, distinct prompt texts whose similarity
+/// sketches are within [`WasteOptions::near_max_distance`] bits of one another (chained):
+/// templated prompts whose id, date or amount changes (masked in the sketch), or a word or two.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct NearDuplicateGroup {
+    /// Model.
+    pub model: String,
+    /// The sketch of the group's first request, 16 hex digits.
+    pub sketch: String,
+    /// Requests in the group.
+    pub requests: u64,
+    /// Distinct prompts (prompt hashes) among them (≥ 2).
+    pub distinct_prompts: u64,
+    /// Largest distance between a member's sketch and the first one's, bits.
+    pub max_distance: u32,
+    /// Distinct callers.
+    pub callers: u64,
+    /// The callers with the most requests in the group (at most [`TOP_CALLERS`]).
+    pub top_callers: Vec<PromptCaller>,
+    /// Input tokens of the requests after the first that are not exact repeats (those are in
+    /// [`Duplicates`]): what a cache keyed by the template would have served.
+    pub input_tokens: u64,
+    /// Their input + output tokens.
+    pub saved_tokens: u64,
+    /// Their cost, USD.
+    pub saved_usd: Option<f64>,
+}
+
+/// Near-duplicate summary. Not added to [`WasteReport::saving`]: near-identical prompts may
+/// need different answers (the id changed), so this is what a template-aware or semantic cache
+/// could save at most, not what an exact cache saves.
+#[derive(Debug, Clone, Serialize, PartialEq, Default)]
+pub struct NearDuplicates {
+    /// Groups.
+    pub groups: u64,
+    /// Requests in them after each group's first, exact repeats excluded.
+    pub requests: u64,
+    /// Their input tokens.
+    pub input_tokens: u64,
+    /// Their input + output tokens.
+    pub saved_tokens: u64,
+    /// Their cost, USD.
+    pub saved_usd: Option<f64>,
+    /// The largest groups, by tokens.
+    pub top: Vec<NearDuplicateGroup>,
 }
 
 /// Per request type: truncation, output length, bloat.
@@ -186,6 +248,8 @@ pub struct WasteReport {
     pub options: WasteOptions,
     /// Duplicate prompts.
     pub duplicates: Duplicates,
+    /// Near-identical prompts (from the prompt sketches).
+    pub near_duplicates: NearDuplicates,
     /// Per request type, by name.
     pub request_types: Vec<RequestTypeWaste>,
     /// Total estimated saving.
@@ -311,6 +375,7 @@ pub fn waste(
     });
     list.truncate(opts.top);
     dups.top = list;
+    let near_duplicates = near_duplicates(&ok, &costs, &repeat, opts);
 
     // Per request type.
     let mut by_type: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
@@ -459,9 +524,165 @@ pub fn waste(
         tokens: all_tokens,
         options: opts.clone(),
         duplicates: dups,
+        near_duplicates,
         request_types: types,
         saving,
     }
+}
+
+/// Groups the records by near-identical prompt sketches (see [`NearDuplicateGroup`]).
+///
+/// Candidates by locality-sensitive hashing: two sketches within `d ≤ 7` bits agree on at
+/// least one of eight 8-bit bands (pigeonhole), so only sketches sharing a band (same model)
+/// are compared (at most 64 per bucket); each pair within `d` is joined (union-find). Distinct sketches are compared,
+/// not records: a million copies of one template cost one comparison.
+fn near_duplicates(
+    ok: &[&RequestRecord],
+    costs: &[Option<f64>],
+    repeat: &[bool],
+    opts: &WasteOptions,
+) -> NearDuplicates {
+    let d = opts.near_max_distance.min(7);
+    // Distinct (model, sketch), in first-seen order, with their records.
+    let mut ids: HashMap<(&str, u64), usize> = HashMap::new();
+    let mut sketches: Vec<(&str, u64, Vec<usize>)> = Vec::new();
+    let mut order: Vec<usize> = (0..ok.len()).collect();
+    order.sort_by(|&a, &b| {
+        ok[a]
+            .created_at
+            .cmp(&ok[b].created_at)
+            .then_with(|| ok[a].request_id.cmp(&ok[b].request_id))
+    });
+    for &i in &order {
+        let r = ok[i];
+        let (Some(sk), Some(_)) = (r.prompt_sketch, r.prompt_hash.as_deref()) else {
+            continue;
+        };
+        let id = *ids.entry((r.model.as_str(), sk)).or_insert_with(|| {
+            sketches.push((r.model.as_str(), sk, Vec::new()));
+            sketches.len() - 1
+        });
+        sketches[id].2.push(i);
+    }
+    let mut parent: Vec<usize> = (0..sketches.len()).collect();
+    fn find(p: &mut [usize], mut x: usize) -> usize {
+        while p[x] != x {
+            p[x] = p[p[x]];
+            x = p[x];
+        }
+        x
+    }
+    let mut bands: HashMap<(&str, u8, u8), Vec<usize>> = HashMap::new();
+    for (id, (model, sk, _)) in sketches.iter().enumerate() {
+        for band in 0..8u8 {
+            let v = (sk >> (8 * u32::from(band))) as u8;
+            bands.entry((model, band, v)).or_default().push(id);
+        }
+    }
+    // Compare within each band bucket (bounded: at most 64 members against each other).
+    let mut keys: Vec<_> = bands.keys().copied().collect();
+    keys.sort_unstable();
+    for k in keys {
+        let members = &bands[&k];
+        let cap = members.len().min(64);
+        for (x, &a) in members.iter().enumerate() {
+            for &b in &members[..cap.min(x)] {
+                if tokenscope_core::prompt::sketch_distance(sketches[a].1, sketches[b].1) <= d {
+                    let (ra, rb) = (find(&mut parent, a), find(&mut parent, b));
+                    if ra != rb {
+                        parent[ra.max(rb)] = ra.min(rb);
+                    }
+                }
+            }
+        }
+    }
+    let mut groups: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for id in 0..sketches.len() {
+        let root = find(&mut parent, id);
+        groups.entry(root).or_default().push(id);
+    }
+    let mut out = NearDuplicates::default();
+    let mut list = Vec::new();
+    for (root, members) in groups {
+        let mut recs: Vec<usize> = members
+            .iter()
+            .flat_map(|&m| sketches[m].2.iter().copied())
+            .collect();
+        recs.sort_by(|&a, &b| {
+            ok[a]
+                .created_at
+                .cmp(&ok[b].created_at)
+                .then_with(|| ok[a].request_id.cmp(&ok[b].request_id))
+        });
+        let distinct: std::collections::BTreeSet<&str> = recs
+            .iter()
+            .filter_map(|&i| ok[i].prompt_hash.as_deref())
+            .collect();
+        if distinct.len() < 2 {
+            continue; // one prompt: exact duplicates, reported there
+        }
+        let first = sketches[root].1;
+        let mut g = NearDuplicateGroup {
+            model: sketches[root].0.to_owned(),
+            sketch: format!("{first:016x}"),
+            requests: recs.len() as u64,
+            distinct_prompts: distinct.len() as u64,
+            max_distance: members
+                .iter()
+                .map(|&m| tokenscope_core::prompt::sketch_distance(first, sketches[m].1))
+                .max()
+                .unwrap_or(0),
+            callers: 0,
+            top_callers: Vec::new(),
+            input_tokens: 0,
+            saved_tokens: 0,
+            saved_usd: None,
+        };
+        let mut per_caller: BTreeMap<std::borrow::Cow<'_, str>, (u64, Option<&str>)> =
+            BTreeMap::new();
+        for &i in &recs {
+            let e = per_caller
+                .entry(crate::anomalies::caller_key(ok[i]))
+                .or_insert((0, ok[i].business_line.as_deref()));
+            e.0 += 1;
+        }
+        g.callers = per_caller.len() as u64;
+        let mut callers: Vec<_> = per_caller.into_iter().collect();
+        callers.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then_with(|| a.0.cmp(&b.0)));
+        g.top_callers = callers
+            .into_iter()
+            .take(TOP_CALLERS)
+            .map(|(c, (n, bl))| PromptCaller {
+                caller: c.into_owned(),
+                requests: n,
+                business_line: bl.map(str::to_owned),
+            })
+            .collect();
+        for &i in recs.iter().skip(1).filter(|&&i| !repeat[i]) {
+            out.requests += 1;
+            g.input_tokens += ok[i].input_tokens.unwrap_or(0);
+            g.saved_tokens += total_tokens(ok[i]);
+            if let Some(c) = costs[i] {
+                g.saved_usd = Some(g.saved_usd.unwrap_or(0.0) + c);
+            }
+        }
+        out.groups += 1;
+        out.input_tokens += g.input_tokens;
+        out.saved_tokens += g.saved_tokens;
+        if let Some(c) = g.saved_usd {
+            out.saved_usd = Some(out.saved_usd.unwrap_or(0.0) + c);
+        }
+        list.push(g);
+    }
+    list.sort_by(|a, b| {
+        b.saved_tokens
+            .cmp(&a.saved_tokens)
+            .then_with(|| a.model.cmp(&b.model))
+            .then_with(|| a.sketch.cmp(&b.sketch))
+    });
+    list.truncate(opts.top);
+    out.top = list;
+    out
 }
 
 fn usd(x: Option<f64>) -> String {
@@ -501,6 +722,45 @@ impl Report for WasteReport {
                         .to_string(),
                     x.requests.to_string(),
                     x.callers.to_string(),
+                    x.top_callers
+                        .first()
+                        .map(|c| {
+                            format!(
+                                "{} ({}, {})",
+                                c.caller,
+                                c.requests,
+                                c.business_line.as_deref().unwrap_or("-")
+                            )
+                        })
+                        .unwrap_or_default(),
+                    x.saved_tokens.to_string(),
+                    usd(x.saved_usd),
+                ]);
+            }
+            out.push_str(&t.to_string());
+            out.push('\n');
+        }
+        let n = &self.near_duplicates;
+        out.push_str(&format!(
+            "\nNear-identical prompts (sketches ≤ {} bits apart; numbers and ids masked): {} groups, {} requests after each group's first; a template-aware cache would serve {} tokens ({}), {} of them input\n",
+            self.options.near_max_distance, n.groups, n.requests, n.saved_tokens, usd(n.saved_usd), n.input_tokens
+        ));
+        if !n.top.is_empty() {
+            let mut t = table(&[
+                "model",
+                "sketch",
+                "requests",
+                "prompts",
+                "top caller (requests, line)",
+                "tokens after the first",
+                "(USD)",
+            ]);
+            for x in &n.top {
+                t.add_row(vec![
+                    x.model.clone(),
+                    x.sketch.clone(),
+                    x.requests.to_string(),
+                    x.distinct_prompts.to_string(),
                     x.top_callers
                         .first()
                         .map(|c| {
@@ -689,6 +949,97 @@ mod tests {
         assert!((r.saving.usd.expect("priced") - expected).abs() < 1e-12);
         let table = r.render_table();
         assert!(table.contains("Estimated saving"));
+    }
+
+    #[test]
+    fn templated_prompts_are_near_duplicates_with_their_saving() {
+        // Issue 21: a ticket bot fills one template with a changing id and date (40 distinct
+        // prompts; 5 of them sent twice), a person edits one word of another prompt, and 20
+        // unrelated prompts: one group of the bot's 45 requests, exact repeats left to the
+        // duplicates, the edit grouped with its original, nothing else.
+        use tokenscope_core::prompt::{prompt_hash, prompt_sketch};
+        let template = |id: usize| {
+            format!(
+                "Summarise ticket T-{id} opened on 2026-12-{:02} for the on-call engineer: list \
+                 the affected services, the steps already tried and the next action.",
+                id % 28 + 1
+            )
+        };
+        let mut v = Vec::new();
+        let push = |text: &str, user: &str, v: &mut Vec<RequestRecord>| {
+            let mut r = rec(
+                v.len() as i64,
+                "chat",
+                &prompt_hash("m", text),
+                30,
+                10,
+                "stop",
+            );
+            r.prompt_sketch = prompt_sketch(text);
+            r.user_id = Some(user.to_owned());
+            r.business_line = Some("support".to_owned());
+            v.push(r);
+        };
+        for id in 0..40 {
+            push(&template(id), "ticket-bot", &mut v);
+            if id % 8 == 0 {
+                push(&template(id), "ticket-bot", &mut v); // exact repeat
+            }
+        }
+        let essay = "Explain the difference between a process and a thread in an operating \
+                     system, with an example of each and when to prefer one over the other. \
+                     Then describe how the scheduler decides which of them runs next, what a \
+                     context switch costs, and how shared memory between threads is protected \
+                     with locks, atomics or message passing in a modern language runtime.";
+        push(essay, "alice", &mut v);
+        push(&essay.replace("an example", "one example"), "alice", &mut v);
+        for k in 0..20 {
+            push(
+                &format!(
+                    "Question {}: {}",
+                    "xyz".repeat(k + 1),
+                    [
+                        "tell me a joke about cats",
+                        "how do tides work",
+                        "best pasta recipe",
+                        "why is the sky blue"
+                    ][k % 4]
+                ),
+                "bob",
+                &mut v,
+            );
+        }
+        let r = waste(&v, w(), &prices(), &WasteOptions::default());
+        let n = &r.near_duplicates;
+        let bot = n
+            .top
+            .iter()
+            .find(|g| g.top_callers[0].caller == "ticket-bot")
+            .expect("the bot's group");
+        assert_eq!((bot.requests, bot.distinct_prompts), (45, 40));
+        assert_eq!(bot.max_distance, 0, "ids and dates are masked");
+        assert_eq!(bot.top_callers[0].business_line.as_deref(), Some("support"));
+        // 44 after the first, 5 of them exact repeats (in `duplicates`): 39 × 40 tokens.
+        assert_eq!(bot.saved_tokens, 39 * 40);
+        assert_eq!(bot.input_tokens, 39 * 30);
+        assert_eq!(r.duplicates.repeats, 5, "the bot's exact repeats");
+        let edit = n
+            .top
+            .iter()
+            .find(|g| g.top_callers[0].caller == "alice")
+            .expect("the edited prompt");
+        assert_eq!((edit.requests, edit.distinct_prompts), (2, 2));
+        assert!(edit.max_distance <= 7);
+        assert!(
+            n.top.iter().all(|g| g.top_callers[0].caller != "bob"),
+            "{n:#?}"
+        );
+        assert_eq!(n.groups, 2);
+        assert_eq!(n.requests, 39 + 1);
+        // Not in the total (an exact cache would not serve them).
+        assert_eq!(r.saving.tokens, r.duplicates.saved_tokens);
+        assert!(r.render_table().contains("Near-identical prompts"));
+        assert!(r.render_table().contains("ticket-bot (45, support)"));
     }
 
     #[test]

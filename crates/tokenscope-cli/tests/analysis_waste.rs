@@ -13,6 +13,10 @@
 //!   longer answered in 10 → bloated: the fence ratio is 2 × the others' (IQR 0, so the ln 2
 //!   floor applies); excess = its input − 2 × a short prompt's input.
 //!
+//! * near-identical prompts: the templated `summarize doc N`, `summarize long N`,
+//!   `extract item N`, `classify item N` form four groups (numbers masked in the gateway's
+//!   prompt sketch).
+//!
 //! Expected token numbers are computed from the rows the gateway stored (the engine's usage),
 //! then compared exactly with the command's JSON. When `clickhouse-server` is available, the
 //! records are copied into ClickHouse and the JSON from both stores must be byte-identical.
@@ -179,6 +183,52 @@ async fn duplicates_truncation_overlong_and_bloat_are_counted_exactly() {
     assert_eq!(d["input_tokens"], dup_input);
     assert_eq!(d["saved_tokens"], dup_saved);
     assert_eq!(d["top"][0]["requests"], 5);
+
+    // Near-identical prompts (the gateway's sketches, numbers masked): "summarize doc N"
+    // (20), "summarize long N" (2), "extract item N" (4), "classify item N" (20); each
+    // group's requests after its first are what a template-aware cache would serve. The
+    // bloated "classify item 9999 context …" is another prompt.
+    let n = &r["near_duplicates"];
+    let mut sizes: Vec<u64> = n["top"]
+        .as_array()
+        .expect("groups")
+        .iter()
+        .map(|g| g["requests"].as_u64().expect("n"))
+        .collect();
+    sizes.sort_unstable();
+    assert_eq!(sizes, [2, 4, 20, 20], "{n:#}");
+    assert_eq!(n["groups"], 4);
+    assert_eq!(n["requests"], 19 + 1 + 3 + 19);
+    let mut expected_saved = 0u64;
+    for (rt, small_only) in [("summarize", false), ("extract", false), ("classify", true)] {
+        for overlong in [false, true] {
+            let mut g: Vec<&serde_json::Map<String, Value>> = rows
+                .iter()
+                .filter(|r| r["request_type"] == rt)
+                .filter(|r| !small_only || r["input_tokens"].as_u64().unwrap_or(0) < 100)
+                .filter(|r| (r["output_tokens"].as_u64() == Some(400)) == overlong)
+                .collect();
+            if rt != "summarize" && overlong {
+                continue;
+            }
+            g.sort_by_key(|r| {
+                (
+                    r["created_at"].as_i64(),
+                    r["request_id"].as_str().map(str::to_owned),
+                )
+            });
+            expected_saved += g
+                .iter()
+                .skip(1)
+                .map(|r| {
+                    r["input_tokens"].as_u64().unwrap_or(0)
+                        + r["output_tokens"].as_u64().unwrap_or(0)
+                })
+                .sum::<u64>();
+        }
+    }
+    assert_eq!(n["saved_tokens"], expected_saved, "{n:#}");
+    assert!(n["top"][0]["top_callers"][0]["caller"] == "svc", "{n:#}");
 
     let types = r["request_types"].as_array().expect("types");
     let by = |name: &str| -> &Value {

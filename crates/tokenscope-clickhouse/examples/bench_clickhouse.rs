@@ -81,6 +81,7 @@ fn record(i: u64, now_us: i64) -> RequestRecord {
         blocker_caller: None,
         blocker_business_line: None,
         blocker_prompt_tokens: None,
+        prompt_sketch: None,
     }
 }
 

@@ -123,6 +123,7 @@ pub fn encode_row(buf: &mut Vec<u8>, r: &RequestRecord, row_version: u64) {
     put_opt_str(buf, r.blocker_caller.as_deref());
     put_opt_str(buf, r.blocker_business_line.as_deref());
     put_opt_u64(buf, r.blocker_prompt_tokens);
+    put_opt_u64(buf, r.prompt_sketch);
     buf.extend_from_slice(&row_version.to_le_bytes());
 }
 
@@ -191,6 +192,7 @@ pub struct LogRow {
     pub blocker_caller: Option<String>,
     pub blocker_business_line: Option<String>,
     pub blocker_prompt_tokens: Option<u64>,
+    pub prompt_sketch: Option<u64>,
     pub row_version: u64,
 }
 
@@ -282,6 +284,7 @@ impl LogRow {
             blocker_caller: self.blocker_caller,
             blocker_business_line: self.blocker_business_line,
             blocker_prompt_tokens: self.blocker_prompt_tokens,
+            prompt_sketch: self.prompt_sketch,
         };
         Ok((r, self.row_version))
     }

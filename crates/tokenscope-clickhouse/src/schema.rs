@@ -79,6 +79,8 @@
 //!   `blocker_request_id`, `blocker_caller`, `blocker_business_line` (`Nullable(String)`),
 //!   `blocker_prompt_tokens` (`Nullable(UInt64)`); `NULL` when not measured, and for older
 //!   rows. On the data table and, in a cluster, on the `Distributed` table.
+//! * v8 — `prompt_sketch Nullable(UInt64)` after `blocker_prompt_tokens`: the prompt's
+//!   similarity sketch (near-duplicate prompts in `waste`); `NULL` for older rows.
 //! * v5 — on modern servers, `bloom_filter` skipping indexes on `user_id`, `tenant` and
 //!   `business_line` (data tables; none on old servers, which have no skipping indexes).
 //!   How the table serves the article's queries: per model and time by the sorting key
@@ -101,7 +103,7 @@ pub const MIGRATIONS_TABLE: &str = "tokenscope_schema_migrations";
 
 /// The columns of an insert (and of every full-row read), in RowBinary order: the SQLite
 /// column list with `created_at` replaced by `created_at_us`, plus `row_version`.
-pub const INSERT_COLUMNS: [&str; 62] = [
+pub const INSERT_COLUMNS: [&str; 63] = [
     "request_id",
     "trace_id",
     "created_at_us",
@@ -163,6 +165,7 @@ pub const INSERT_COLUMNS: [&str; 62] = [
     "blocker_caller",
     "blocker_business_line",
     "blocker_prompt_tokens",
+    "prompt_sketch",
     "row_version",
 ];
 
@@ -437,7 +440,33 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "per-request blame: blocked_by_requests, blocked_by_prompt_tokens, blocked_ms, blocker_{request_id,caller,business_line,prompt_tokens}",
         statements: v7,
     },
+    Migration {
+        version: 8,
+        description: "prompt_sketch Nullable(UInt64): the prompt's similarity sketch (near-duplicates)",
+        statements: v8,
+    },
 ];
+
+fn v8(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
+    let (data, dist, on) = match (cx.target, cx.cluster) {
+        (Target::Single, _) | (_, None) => (TABLE, None, None),
+        (Target::ClusterNode, Some(_)) => (LOCAL_TABLE, Some(TABLE), None),
+        (Target::OnCluster, Some(c)) => (LOCAL_TABLE, Some(TABLE), Some(c)),
+    };
+    std::iter::once(data)
+        .chain(dist)
+        .map(|t| {
+            add_column(
+                d,
+                cx.database,
+                t,
+                on,
+                "prompt_sketch Nullable(UInt64)",
+                "blocker_prompt_tokens",
+            )
+        })
+        .collect()
+}
 
 /// The blame columns of v7, in order, each after the one before it (the first after
 /// `replica`).
@@ -715,6 +744,7 @@ mod tests {
         for (i, (c, _)) in BLAME_COLUMNS.iter().enumerate() {
             declared.insert(at + 5 + i, (*c).to_owned());
         }
+        declared.insert(at + 5 + BLAME_COLUMNS.len(), "prompt_sketch".to_owned());
         assert_eq!(declared, INSERT_COLUMNS.map(str::to_owned).to_vec());
         assert_eq!(
             (MIGRATIONS[1].statements)(&d, &single(None)),

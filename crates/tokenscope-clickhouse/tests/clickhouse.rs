@@ -156,6 +156,7 @@ fn full_record(id: &str) -> RequestRecord {
         blocker_caller: Some("batch-job".to_owned()),
         blocker_business_line: Some("offline".to_owned()),
         blocker_prompt_tokens: Some(1500),
+        prompt_sketch: Some(0x8000_0000_dead_beef),
     }
 }
 

@@ -46,5 +46,41 @@ fn per_chunk(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, per_chunk);
+/// Per request at the gateway: the prompt's hash and similarity sketch (issue 21's
+/// near-duplicates), for a ~1,500-token prompt (6 KB of prose).
+fn per_prompt(c: &mut Criterion) {
+    let words = [
+        "the",
+        "keeper",
+        "of",
+        "a",
+        "lighthouse",
+        "watched",
+        "ships",
+        "pass",
+        "in",
+        "calm",
+        "grey",
+        "water",
+        "ticket",
+        "4711",
+        "opened",
+        "2026-12-07",
+    ];
+    let text: String = (0..1500)
+        .map(|i| words[(i * 7 + i / 3) % words.len()])
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut g = c.benchmark_group("prompt");
+    g.throughput(Throughput::Bytes(text.len() as u64));
+    g.bench_function("prompt_hash (1500 words)", |b| {
+        b.iter(|| tokenscope_core::prompt::prompt_hash("m", std::hint::black_box(&text)))
+    });
+    g.bench_function("prompt_sketch (1500 words)", |b| {
+        b.iter(|| tokenscope_core::prompt::prompt_sketch(std::hint::black_box(&text)))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, per_chunk, per_prompt);
 criterion_main!(benches);

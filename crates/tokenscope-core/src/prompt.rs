@@ -116,6 +116,109 @@ pub fn prompt_hash(model: &str, normalised: &str) -> String {
     hex(&digest[..16])
 }
 
+/// Shingles (runs of consecutive words) read by [`prompt_sketch`] at most: a prompt longer
+/// than this many words is sketched from its first and last `SKETCH_MAX_SHINGLES / 2`
+/// shingles (templated prompts differ in a few fields; the work per request stays bounded).
+pub const SKETCH_MAX_SHINGLES: usize = 2048;
+
+/// A similarity sketch of a normalised prompt: a 64-bit SimHash over its word 3-shingles,
+/// with ASCII letters lower-cased and every word that holds a digit masked (ids, dates,
+/// counters, amounts). A word is a run of ASCII letters and digits and of non-ASCII bytes.
+/// Prompts that differ only in masked words have the same sketch; prompts that differ in a few
+/// words have sketches a few bits apart (Hamming distance); unrelated prompts differ in about
+/// 32 bits. `None` for a prompt without a word. No text is kept: the sketch cannot be turned
+/// back into the prompt. Stable across versions (FNV-1a 64 per word, a fixed mix per shingle).
+///
+/// Cost: one pass over the bytes, one allocation (the word hashes), and a carry-save count of
+/// the shingles' bits (≈ 2 operations per shingle instead of 64); see `benches/chunk.rs`.
+pub fn prompt_sketch(normalised: &str) -> Option<u64> {
+    const PRIME: u64 = 0x0100_0000_01b3;
+    let masked = fnv1a(FNV_OFFSET, b"#");
+    let bytes = normalised.as_bytes();
+    let mut hashes: Vec<u64> = Vec::with_capacity(bytes.len() / 6 + 1);
+    let (mut h, mut in_word, mut digit) = (FNV_OFFSET, false, false);
+    for &b in bytes {
+        if b.is_ascii_alphanumeric() || b >= 0x80 {
+            in_word = true;
+            digit |= b.is_ascii_digit();
+            h = (h ^ u64::from(b.to_ascii_lowercase())).wrapping_mul(PRIME);
+        } else if in_word {
+            hashes.push(if digit { masked } else { h });
+            (h, in_word, digit) = (FNV_OFFSET, false, false);
+        }
+    }
+    if in_word {
+        hashes.push(if digit { masked } else { h });
+    }
+    if hashes.is_empty() {
+        return None;
+    }
+    let n = hashes.len().saturating_sub(2).max(1);
+    // Bit-sliced counters: plane k holds bit k of each of the 64 per-position counts.
+    let mut planes = [0u64; 16];
+    let mut count = 0u32;
+    let mut add = |i: usize| {
+        let w = &hashes[i..(i + 3).min(hashes.len())];
+        let mut x = w[0];
+        if let Some(b) = w.get(1) {
+            x ^= b.rotate_left(21);
+        }
+        if let Some(c) = w.get(2) {
+            x ^= c.rotate_left(42);
+        }
+        let mut carry = mix64(x);
+        for p in planes.iter_mut() {
+            if carry == 0 {
+                break;
+            }
+            let t = *p & carry;
+            *p ^= carry;
+            carry = t;
+        }
+        count += 1;
+    };
+    if n <= SKETCH_MAX_SHINGLES {
+        (0..n).for_each(&mut add);
+    } else {
+        let half = SKETCH_MAX_SHINGLES / 2;
+        (0..half).chain(n - half..n).for_each(&mut add);
+    }
+    let mut out = 0u64;
+    for bit in 0..64 {
+        let ones: u32 = planes
+            .iter()
+            .enumerate()
+            .map(|(k, p)| (((p >> bit) & 1) as u32) << k)
+            .sum();
+        if 2 * ones > count {
+            out |= 1 << bit;
+        }
+    }
+    Some(out)
+}
+
+/// SplitMix64's finaliser: spreads a shingle's combined word hashes over all 64 bits.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn fnv1a(mut h: u64, bytes: &[u8]) -> u64 {
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Bits in which two sketches differ.
+pub fn sketch_distance(a: u64, b: u64) -> u32 {
+    (a ^ b).count_ones()
+}
+
 /// Lower-case hex.
 pub fn hex(bytes: &[u8]) -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -131,6 +234,67 @@ pub fn hex(bytes: &[u8]) -> String {
 /// non-empty prompt). Used only until the engine's usage arrives.
 pub fn estimate_tokens(normalised: &str) -> u64 {
     (normalised.len() as u64).div_ceil(4)
+}
+
+#[cfg(test)]
+mod sketch_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const TEMPLATE: &str = "You are the support assistant of Acme. Summarise the ticket below \
+        for the on-call engineer, list the affected services, the customer's plan and the \
+        steps already tried, and propose the next action. Ticket {ID} opened on {DATE} by \
+        customer {CUST}: the dashboard shows no data since the last deploy and exports fail.";
+
+    fn filled(id: u32) -> String {
+        TEMPLATE
+            .replace("{ID}", &format!("T-{id}"))
+            .replace("{DATE}", &format!("2026-12-{:02}", id % 28 + 1))
+            .replace("{CUST}", &format!("c{}", id * 7))
+    }
+
+    #[test]
+    fn templated_prompts_with_changing_ids_have_one_sketch() {
+        let a = prompt_sketch(&filled(1)).expect("sketch");
+        for id in 2..50 {
+            assert_eq!(prompt_sketch(&filled(id)), Some(a), "{id}");
+        }
+        // A word changed: a few bits apart; another prompt: far.
+        let edited = filled(1).replace("exports fail", "imports fail");
+        let d = sketch_distance(a, prompt_sketch(&edited).expect("sketch"));
+        assert!((1..=12).contains(&d), "{d}");
+        let other = prompt_sketch(
+            "Write a haiku about the sea at night, with the moon and a lighthouse keeper.",
+        )
+        .expect("sketch");
+        assert!(
+            sketch_distance(a, other) >= 16,
+            "{}",
+            sketch_distance(a, other)
+        );
+        assert_eq!(prompt_sketch("  ,;  "), None);
+        assert_eq!(prompt_sketch("Hello World"), prompt_sketch("hello world"));
+    }
+
+    #[test]
+    fn long_prompts_are_bounded() {
+        let long = "word ".repeat(50_000) + "tail";
+        assert!(prompt_sketch(&long).is_some());
+    }
+
+    proptest! {
+        #[test]
+        fn sketches_are_deterministic_and_masking_numbers_is_neutral(
+            words in proptest::collection::vec("[a-z]{1,8}", 1..200),
+            nums in proptest::collection::vec(0u32..1_000_000, 1..5),
+        ) {
+            let text = words.join(" ");
+            prop_assert_eq!(prompt_sketch(&text), prompt_sketch(&text));
+            let a = format!("{text} {}", nums.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(" "));
+            let b = format!("{text} {}", nums.iter().map(|n| (n + 1).to_string()).collect::<Vec<_>>().join(" "));
+            prop_assert_eq!(prompt_sketch(&a), prompt_sketch(&b));
+        }
+    }
 }
 
 #[cfg(test)]

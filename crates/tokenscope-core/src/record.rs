@@ -429,6 +429,11 @@ pub struct RequestRecord {
     /// Blame: the largest blocker's prompt tokens.
     #[serde(default)]
     pub blocker_prompt_tokens: Option<u64>,
+    /// Similarity sketch of the normalised prompt ([`crate::prompt::prompt_sketch`]: SimHash
+    /// of its word shingles, numbers masked): near-identical prompts are a few bits apart.
+    /// Never the text.
+    #[serde(default)]
+    pub prompt_sketch: Option<u64>,
 }
 
 /// Engine-side phase values that arrive after the response (OTLP spans from vLLM or SGLang),

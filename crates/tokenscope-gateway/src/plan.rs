@@ -16,7 +16,7 @@ use crate::attribution::bounded;
 use bytes::Bytes;
 use serde_json::Value;
 use tokenscope_core::openai::{inject_include_usage, RequestInfo};
-use tokenscope_core::prompt::{estimate_tokens, normalised_prompt, prompt_hash};
+use tokenscope_core::prompt::{estimate_tokens, normalised_prompt, prompt_hash, prompt_sketch};
 use tokenscope_core::{Endpoint, InputBucket, RequestRecord};
 
 /// What a request body asks for. See the module docs.
@@ -100,6 +100,7 @@ impl RequestPlan {
             entry.estimate = Some(est);
             rec.input_bucket = Some(InputBucket::of(est));
             rec.prompt_hash = Some(prompt_hash(&rec.model, &norm));
+            rec.prompt_sketch = prompt_sketch(&norm);
             if store_prompts {
                 rec.prompt_text = Some(norm);
             }

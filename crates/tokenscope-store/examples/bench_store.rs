@@ -267,6 +267,7 @@ impl Gen {
             blocker_caller: None,
             blocker_business_line: None,
             blocker_prompt_tokens: None,
+            prompt_sketch: None,
         }
     }
 }

@@ -80,6 +80,9 @@
 //!   `blocker_caller TEXT`, `blocker_business_line TEXT`, `blocker_prompt_tokens INTEGER`
 //!   (`NULL` when not measured, and for rows written before v8). Not in the covering time
 //!   index. Readers need v8.
+//! * v9 — column `prompt_sketch INTEGER` (the prompt's 64-bit similarity sketch, stored as
+//!   the signed integer with the same bits; `NULL` when the prompt had no word, and for rows
+//!   written before v9). Readers need v9.
 //!
 //! Indexes: the primary key (`request_id`: idempotent inserts, [`SqliteStore::get`]) and
 //! `idx_log_created_at`, led by `created_at` and carrying every column a
@@ -137,7 +140,7 @@ pub const SQL_USER_TOKENS_PER_DAY: &str = include_str!("sql/user_tokens_per_day.
 pub const SQL_MEAN_TTFT_BY_BUCKET: &str = include_str!("sql/mean_ttft_by_bucket.sql");
 
 /// Every column of [`TABLE`], in the order [`record_from_row`] expects them.
-pub const COLUMNS: [&str; 61] = [
+pub const COLUMNS: [&str; 62] = [
     "request_id",
     "trace_id",
     "created_at",
@@ -199,6 +202,7 @@ pub const COLUMNS: [&str; 61] = [
     "blocker_caller",
     "blocker_business_line",
     "blocker_prompt_tokens",
+    "prompt_sketch",
 ];
 
 /// Ordered schema migrations: entry `i` takes the schema from version `i` to `i + 1`.
@@ -326,15 +330,18 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE llm_inference_log ADD COLUMN blocker_caller TEXT;
     ALTER TABLE llm_inference_log ADD COLUMN blocker_business_line TEXT;
     ALTER TABLE llm_inference_log ADD COLUMN blocker_prompt_tokens INTEGER;",
+    // v9: the prompt's similarity sketch (64 bits as a signed integer; `NULL` for rows written
+    // before v9).
+    "ALTER TABLE llm_inference_log ADD COLUMN prompt_sketch INTEGER;",
 ];
 
 /// The schema version this build writes and understands.
 pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
-/// The oldest schema a read-only open accepts: v8 added the blame columns, the last columns
-/// the reads name (v3 and v4 only changed indexes). An older file is migrated by the next
+/// The oldest schema a read-only open accepts: v9 added `prompt_sketch`, the last column the
+/// reads name (v3 and v4 only changed indexes). An older file is migrated by the next
 /// writer (`tokenscope serve`, or [`SqliteStore::open`]).
-pub const MIN_READ_VERSION: u32 = 8;
+pub const MIN_READ_VERSION: u32 = 9;
 
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -927,7 +934,7 @@ fn file_id(_path: &Path) -> std::io::Result<FileId> {
 }
 
 /// Rows per multi-row `INSERT` statement in [`SqliteStore::insert_batch`]
-/// (`ROWS_PER_INSERT × 61` parameters; SQLite allows 32 766).
+/// (`ROWS_PER_INSERT × 62` parameters; SQLite allows 32 766).
 const ROWS_PER_INSERT: usize = 32;
 
 /// `INSERT OR IGNORE INTO llm_inference_log (<COLUMNS>) VALUES (?,…), …` for `rows` rows,
@@ -942,7 +949,7 @@ fn insert_sql(rows: usize) -> String {
     )
 }
 
-/// Binds `r` to parameters `base + 1 ..= base + 61` of `stmt`, in [`COLUMNS`] order.
+/// Binds `r` to parameters `base + 1 ..= base + 62` of `stmt`, in [`COLUMNS`] order.
 fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusqlite::Result<()> {
     let mut i = base;
     let mut bind = |stmt: &mut Statement<'_>, v: &dyn ToSql| {
@@ -1010,6 +1017,8 @@ fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusq
     bind(stmt, &r.blocker_caller)?;
     bind(stmt, &r.blocker_business_line)?;
     bind(stmt, &opt_i64(r.blocker_prompt_tokens))?;
+    // The sketch's 64 bits as SQLite's signed integer (read back bit for bit).
+    bind(stmt, &r.prompt_sketch.map(|v| v as i64))?;
     debug_assert_eq!(i - base, COLUMNS.len());
     Ok(())
 }
@@ -1234,6 +1243,7 @@ pub fn record_from_row(row: &Row<'_>) -> rusqlite::Result<RequestRecord> {
         blocker_caller: row.get(58)?,
         blocker_business_line: row.get(59)?,
         blocker_prompt_tokens: get_u64(row, 60)?,
+        prompt_sketch: row.get::<_, Option<i64>>(61)?.map(|v| v as u64),
     })
 }
 
@@ -1334,6 +1344,8 @@ pub(crate) mod tests {
             blocker_caller: Some("batch-job".to_owned()),
             blocker_business_line: Some("offline".to_owned()),
             blocker_prompt_tokens: Some(1500),
+            // High bit set: stored as a negative integer, read back bit for bit.
+            prompt_sketch: Some(0x8000_0000_dead_beef),
         }
     }
 

@@ -1,4 +1,4 @@
-//! `tokenscope waste`: duplicate prompts, truncated and overlong outputs (suggested
+//! `tokenscope waste`: duplicate and near-identical prompts, truncated and overlong outputs (suggested
 //! `max_tokens` per request type), bloated prompts, total estimated saving (method in
 //! `tokenscope_analysis::waste` and `docs/analysis.md`).
 
@@ -26,6 +26,10 @@ pub struct WasteArgs {
     /// Duplicate prompts listed.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
+    /// Near-identical prompts: similarity sketches at most this many bits apart (0–7; numbers
+    /// and ids are masked, a one-word edit of a short prompt moves about 8).
+    #[arg(long, default_value_t = 7)]
+    pub near_max_distance: u32,
 }
 
 /// Runs the command.
@@ -36,6 +40,7 @@ pub fn run(args: WasteArgs) -> Result<()> {
         overlong_factor: args.overlong_factor,
         bloat_iqr_k: args.bloat_iqr_k,
         top: args.top,
+        near_max_distance: args.near_max_distance,
     };
     opts.validate()?;
     let report = waste(&input.records, input.window, &input.prices(), &opts);

@@ -653,7 +653,7 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     if kv_bound {
         b.find("queue_kv_bound", &kv_remedies());
         parts.push(format!(
-            "admission waits for KV-cache room: {}",
+            "queueing behind a full KV cache (admission waits for cache room): {}",
             lim.kv_phrase(opts)
         ));
         if queueing {
@@ -2013,7 +2013,7 @@ mod tests {
         assert!(
             r.conclusion
                 .summary
-                .contains("admission waits for KV-cache room")
+                .contains("queueing behind a full KV cache (admission waits for cache room)")
                 && r.conclusion.summary.contains("up to 4 requests waiting"),
             "{}",
             r.conclusion.summary

@@ -82,6 +82,9 @@ fn record(i: u64, now_us: i64) -> RequestRecord {
         blocker_business_line: None,
         blocker_prompt_tokens: None,
         prompt_sketch: None,
+        ttft_unaccounted_ms: None,
+        e2e_unaccounted_ms: None,
+        engine_timing: None,
     }
 }
 

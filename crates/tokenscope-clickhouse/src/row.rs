@@ -124,6 +124,9 @@ pub fn encode_row(buf: &mut Vec<u8>, r: &RequestRecord, row_version: u64) {
     put_opt_str(buf, r.blocker_business_line.as_deref());
     put_opt_u64(buf, r.blocker_prompt_tokens);
     put_opt_u64(buf, r.prompt_sketch);
+    put_opt_f64(buf, r.ttft_unaccounted_ms);
+    put_opt_f64(buf, r.e2e_unaccounted_ms);
+    put_opt_str(buf, r.engine_timing.as_deref());
     buf.extend_from_slice(&row_version.to_le_bytes());
 }
 
@@ -193,6 +196,9 @@ pub struct LogRow {
     pub blocker_business_line: Option<String>,
     pub blocker_prompt_tokens: Option<u64>,
     pub prompt_sketch: Option<u64>,
+    pub ttft_unaccounted_ms: Option<f64>,
+    pub e2e_unaccounted_ms: Option<f64>,
+    pub engine_timing: Option<String>,
     pub row_version: u64,
 }
 
@@ -285,6 +291,9 @@ impl LogRow {
             blocker_business_line: self.blocker_business_line,
             blocker_prompt_tokens: self.blocker_prompt_tokens,
             prompt_sketch: self.prompt_sketch,
+            ttft_unaccounted_ms: self.ttft_unaccounted_ms,
+            e2e_unaccounted_ms: self.e2e_unaccounted_ms,
+            engine_timing: self.engine_timing,
         };
         Ok((r, self.row_version))
     }

@@ -81,6 +81,9 @@
 //!   rows. On the data table and, in a cluster, on the `Distributed` table.
 //! * v8 — `prompt_sketch Nullable(UInt64)` after `blocker_prompt_tokens`: the prompt's
 //!   similarity sketch (near-duplicate prompts in `waste`); `NULL` for older rows.
+//! * v9 — `ttft_unaccounted_ms`, `e2e_unaccounted_ms` (`Nullable(Float64)`) and
+//!   `engine_timing` (`Nullable(String)`) after `prompt_sketch`: the TTFT / end-to-end split
+//!   (`RequestRecord::split_times`); `NULL` for older rows.
 //! * v5 — on modern servers, `bloom_filter` skipping indexes on `user_id`, `tenant` and
 //!   `business_line` (data tables; none on old servers, which have no skipping indexes).
 //!   How the table serves the article's queries: per model and time by the sorting key
@@ -103,7 +106,7 @@ pub const MIGRATIONS_TABLE: &str = "tokenscope_schema_migrations";
 
 /// The columns of an insert (and of every full-row read), in RowBinary order: the SQLite
 /// column list with `created_at` replaced by `created_at_us`, plus `row_version`.
-pub const INSERT_COLUMNS: [&str; 63] = [
+pub const INSERT_COLUMNS: [&str; 66] = [
     "request_id",
     "trace_id",
     "created_at_us",
@@ -166,6 +169,9 @@ pub const INSERT_COLUMNS: [&str; 63] = [
     "blocker_business_line",
     "blocker_prompt_tokens",
     "prompt_sketch",
+    "ttft_unaccounted_ms",
+    "e2e_unaccounted_ms",
+    "engine_timing",
     "row_version",
 ];
 
@@ -445,7 +451,43 @@ pub const MIGRATIONS: &[Migration] = &[
         description: "prompt_sketch Nullable(UInt64): the prompt's similarity sketch (near-duplicates)",
         statements: v8,
     },
+    Migration {
+        version: 9,
+        description: "ttft_unaccounted_ms, e2e_unaccounted_ms, engine_timing: the part of TTFT / end to end the engine did not account for",
+        statements: v9,
+    },
 ];
+
+/// The columns of v9, in order (the first after `prompt_sketch`).
+pub const SPLIT_COLUMNS: [(&str, &str); 3] = [
+    ("ttft_unaccounted_ms", "Nullable(Float64)"),
+    ("e2e_unaccounted_ms", "Nullable(Float64)"),
+    ("engine_timing", "Nullable(String)"),
+];
+
+fn v9(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
+    let (data, dist, on) = match (cx.target, cx.cluster) {
+        (Target::Single, _) | (_, None) => (TABLE, None, None),
+        (Target::ClusterNode, Some(_)) => (LOCAL_TABLE, Some(TABLE), None),
+        (Target::OnCluster, Some(c)) => (LOCAL_TABLE, Some(TABLE), Some(c)),
+    };
+    let mut out = Vec::new();
+    for t in std::iter::once(data).chain(dist) {
+        let mut after = "prompt_sketch";
+        for (name, ty) in SPLIT_COLUMNS {
+            out.push(add_column(
+                d,
+                cx.database,
+                t,
+                on,
+                &format!("{name} {ty}"),
+                after,
+            ));
+            after = name;
+        }
+    }
+    out
+}
 
 fn v8(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
     let (data, dist, on) = match (cx.target, cx.cluster) {
@@ -745,6 +787,9 @@ mod tests {
             declared.insert(at + 5 + i, (*c).to_owned());
         }
         declared.insert(at + 5 + BLAME_COLUMNS.len(), "prompt_sketch".to_owned());
+        for (i, (c, _)) in SPLIT_COLUMNS.iter().enumerate() {
+            declared.insert(at + 6 + BLAME_COLUMNS.len() + i, (*c).to_owned());
+        }
         assert_eq!(declared, INSERT_COLUMNS.map(str::to_owned).to_vec());
         assert_eq!(
             (MIGRATIONS[1].statements)(&d, &single(None)),

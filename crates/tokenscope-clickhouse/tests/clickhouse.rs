@@ -157,6 +157,9 @@ fn full_record(id: &str) -> RequestRecord {
         blocker_business_line: Some("offline".to_owned()),
         blocker_prompt_tokens: Some(1500),
         prompt_sketch: Some(0x8000_0000_dead_beef),
+        ttft_unaccounted_ms: Some(490.5),
+        e2e_unaccounted_ms: Some(512.25),
+        engine_timing: Some("consistent".to_owned()),
     }
 }
 
@@ -317,6 +320,7 @@ fn joined(r: &RequestRecord) -> RequestRecord {
     r.input_bucket = Some(InputBucket::B512To2048);
     r.output_tokens = Some(99);
     r.output_tokens_source = TokenSource::Engine;
+    r.split_times(); // the one rule, recomputed by every late update
     r
 }
 

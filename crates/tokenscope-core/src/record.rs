@@ -434,7 +434,27 @@ pub struct RequestRecord {
     /// Never the text.
     #[serde(default)]
     pub prompt_sketch: Option<u64>,
+    /// The part of TTFT the engine did not account for, ms: TTFT − the gateway's own time −
+    /// the engine's **reported** queue and prefill (network, the engine's HTTP front end,
+    /// tokenisation, waiting for the engine's current step to end). See
+    /// [`RequestRecord::split_times`]. `None` when not computable or when the engine's numbers
+    /// exceed what the gateway saw ([`RequestRecord::engine_timing`]).
+    #[serde(default)]
+    pub ttft_unaccounted_ms: Option<f64>,
+    /// The same for the end to end: total − gateway time − the engine's reported queue,
+    /// prefill and decode, ms.
+    #[serde(default)]
+    pub e2e_unaccounted_ms: Option<f64>,
+    /// Whether the engine's reported phases fit what the gateway measured: `consistent`, or
+    /// `exceeds_gateway` (they add up to more than the gateway's TTFT / end to end: not this
+    /// request's truth, e.g. per-step values); `None` when the engine reported none.
+    #[serde(default)]
+    pub engine_timing: Option<String>,
 }
+
+/// Tolerance of [`RequestRecord::split_times`]: engine phases may exceed the gateway's
+/// window by this much (clock rounding) and still be consistent, ms.
+pub const SPLIT_TOLERANCE_MS: f64 = 1.0;
 
 /// Engine-side phase values that arrive after the response (OTLP spans from vLLM or SGLang),
 /// joined to the record by trace id. `None` fields leave the stored value unchanged.
@@ -496,6 +516,69 @@ impl PhaseUpdate {
 }
 
 impl RequestRecord {
+    /// Splits TTFT and the end to end into parts that add up to them: **the** rule, applied
+    /// by the gateway when a record is finished and again after each late engine update.
+    ///
+    /// TTFT = gateway + unaccounted + engine queue + engine prefill, where *gateway* is
+    /// `gateway_overhead_ms`, the engine parts count only when the engine reported them
+    /// ([`PhaseSource::Engine`] / [`PhaseSource::EngineSpan`]; a queue the gateway derived is
+    /// not an engine number: then the whole time before the engine's prefill is unaccounted),
+    /// and *unaccounted* is the rest: the time before the engine accounts for the request
+    /// (network, its HTTP front end, tokenisation, waiting for its current step). The end to
+    /// end likewise with the engine's decode. The TTFT split needs a gateway TTFT (a streamed
+    /// request) and the engine's prefill; the end-to-end split the engine's prefill and decode.
+    ///
+    /// When the engine's parts exceed the gateway's measure by more than
+    /// [`SPLIT_TOLERANCE_MS`], they cannot be this request's own numbers: `engine_timing` is
+    /// `exceeds_gateway` and the unaccounted parts are `None` (nothing is presented as
+    /// per-request truth). Within the tolerance the unaccounted part is clamped at 0, so the
+    /// parts sum to the whole within 1 ms.
+    pub fn split_times(&mut self) {
+        let engine = |v: Option<f64>, s: PhaseSource| {
+            v.filter(|_| matches!(s, PhaseSource::Engine | PhaseSource::EngineSpan))
+        };
+        let q = engine(self.queue_duration_ms, self.queue_source);
+        let p = engine(self.prefill_duration_ms, self.prefill_source);
+        let d = engine(self.decode_duration_ms, self.decode_source);
+        let gw = self.gateway_overhead_ms.unwrap_or(0.0);
+        let rest = |whole: f64, parts: f64| -> Result<f64, ()> {
+            let r = whole - gw - parts;
+            if r < -SPLIT_TOLERANCE_MS {
+                Err(())
+            } else {
+                Ok(r.max(0.0))
+            }
+        };
+        let mut exceeds = false;
+        self.ttft_unaccounted_ms = match (self.ttft_ms, p) {
+            (Some(t), Some(p)) => match rest(t, q.unwrap_or(0.0) + p) {
+                Ok(r) => Some(r),
+                Err(()) => {
+                    exceeds = true;
+                    None
+                }
+            },
+            _ => None,
+        };
+        self.e2e_unaccounted_ms = match (p, d) {
+            (Some(p), Some(d)) => match rest(self.total_duration_ms, q.unwrap_or(0.0) + p + d) {
+                Ok(r) => Some(r),
+                Err(()) => {
+                    exceeds = true;
+                    None
+                }
+            },
+            _ => None,
+        };
+        self.engine_timing = if q.or(p).or(d).is_none() {
+            None
+        } else if exceeds {
+            Some("exceeds_gateway".to_owned())
+        } else {
+            Some("consistent".to_owned())
+        };
+    }
+
     /// `true` for the `ok` outcome.
     pub fn is_success(&self) -> bool {
         self.outcome == Outcome::Ok
@@ -513,6 +596,7 @@ impl RequestRecord {
     ///   chunk count, a tokenizer count — but never a [`TokenSource::Usage`] or
     ///   [`TokenSource::Engine`] count; the source becomes `engine`, and the input bucket
     ///   follows a replaced input count. (So the first engine count a row gets stays.)
+    /// * The TTFT / end-to-end split is recomputed ([`RequestRecord::split_times`]).
     /// * Idempotent: applying the same update twice gives the same record.
     pub fn apply_update(&mut self, u: &PhaseUpdate) {
         let u = u.sanitized();
@@ -549,6 +633,113 @@ impl RequestRecord {
         if u.output_tokens.is_some() && replaceable(self.output_tokens, self.output_tokens_source) {
             self.output_tokens = u.output_tokens;
             self.output_tokens_source = TokenSource::Engine;
+        }
+        self.split_times();
+    }
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn rec(ttft: f64, gw: f64, q: Option<f64>, p: f64, d: f64, total: f64) -> RequestRecord {
+        RequestRecord {
+            ttft_ms: Some(ttft),
+            gateway_overhead_ms: Some(gw),
+            queue_duration_ms: q,
+            queue_source: if q.is_some() {
+                PhaseSource::Engine
+            } else {
+                PhaseSource::None
+            },
+            prefill_duration_ms: Some(p),
+            prefill_source: PhaseSource::Engine,
+            decode_duration_ms: Some(d),
+            decode_source: PhaseSource::Engine,
+            total_duration_ms: total,
+            ..RequestRecord::default()
+        }
+    }
+
+    #[test]
+    fn the_issue_22_case_shows_the_wait_vllm_did_not_see() {
+        // Gateway TTFT 573 ms; vLLM: queue 0.014 ms, TTFT (prefill) 82 ms; 0.3 ms gateway.
+        let mut r = rec(573.0, 0.3, Some(0.014), 82.0, 10.0, 600.0);
+        r.split_times();
+        let u = r.ttft_unaccounted_ms.expect("split");
+        assert!((u - (573.0 - 0.3 - 0.014 - 82.0)).abs() < 1e-9, "{u}");
+        assert_eq!(r.engine_timing.as_deref(), Some("consistent"));
+        // Engine TTFT above the gateway's: not this request's truth.
+        let mut r = rec(80.0, 0.3, Some(0.0), 901.0, 10.0, 1000.0);
+        r.split_times();
+        assert_eq!(r.ttft_unaccounted_ms, None);
+        assert_eq!(r.engine_timing.as_deref(), Some("exceeds_gateway"));
+        // A derived queue is not an engine number: all of it is unaccounted.
+        let mut r = rec(50.0, 2.0, Some(18.0), 30.0, 40.0, 95.0);
+        r.queue_source = PhaseSource::Derived;
+        r.split_times();
+        assert_eq!(r.ttft_unaccounted_ms, Some(18.0));
+        assert_eq!(r.e2e_unaccounted_ms, Some(23.0));
+        // No engine phase: nothing to split.
+        let mut r = RequestRecord {
+            ttft_ms: Some(5.0),
+            ..RequestRecord::default()
+        };
+        r.split_times();
+        assert_eq!((r.ttft_unaccounted_ms, r.engine_timing), (None, None));
+    }
+
+    #[test]
+    fn a_late_span_recomputes_the_split() {
+        let mut r = rec(573.0, 0.3, None, 82.0, 10.0, 600.0);
+        r.queue_source = PhaseSource::None;
+        r.split_times();
+        r.apply_update(&PhaseUpdate {
+            trace_id: "t".into(),
+            queue_duration_ms: Some(400.0),
+            ..PhaseUpdate::default()
+        });
+        assert!(
+            (r.ttft_unaccounted_ms.expect("split") - (573.0 - 0.3 - 400.0 - 82.0)).abs() < 1e-9
+        );
+    }
+
+    proptest! {
+        /// Issue 22: for random parts the stored parts sum to TTFT and to the end to end
+        /// (within the tolerance), or the engine's numbers are flagged and nothing is split.
+        #[test]
+        fn stored_parts_always_sum_to_ttft_and_e2e(
+            gw in 0.0f64..50.0,
+            q in proptest::option::of(0.0f64..5_000.0),
+            p in 0.0f64..5_000.0,
+            d in 0.0f64..20_000.0,
+            unseen in -10.0f64..5_000.0,
+            tail in -10.0f64..1_000.0,
+            derived in any::<bool>(),
+        ) {
+            let ttft = (gw + q.unwrap_or(0.0) + p + unseen).max(0.0);
+            let total = (ttft + d + tail).max(0.0);
+            let mut r = rec(ttft, gw, q, p, d, total);
+            if derived && q.is_some() {
+                r.queue_source = PhaseSource::Derived;
+            }
+            r.split_times();
+            let eq = if r.queue_source == PhaseSource::Derived { 0.0 } else { q.unwrap_or(0.0) };
+            match r.ttft_unaccounted_ms {
+                Some(u) => {
+                    prop_assert!(u >= 0.0);
+                    prop_assert!((gw + u + eq + p - ttft).abs() <= SPLIT_TOLERANCE_MS + 1e-9);
+                }
+                None => prop_assert_eq!(r.engine_timing.as_deref(), Some("exceeds_gateway")),
+            }
+            match r.e2e_unaccounted_ms {
+                Some(u) => {
+                    prop_assert!(u >= 0.0);
+                    prop_assert!((gw + u + eq + p + d - total).abs() <= SPLIT_TOLERANCE_MS + 1e-9);
+                }
+                None => prop_assert_eq!(r.engine_timing.as_deref(), Some("exceeds_gateway")),
+            }
         }
     }
 }

@@ -268,6 +268,9 @@ impl Gen {
             blocker_business_line: None,
             blocker_prompt_tokens: None,
             prompt_sketch: None,
+            ttft_unaccounted_ms: None,
+            e2e_unaccounted_ms: None,
+            engine_timing: None,
         }
     }
 }

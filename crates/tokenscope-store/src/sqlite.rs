@@ -83,6 +83,9 @@
 //! * v9 — column `prompt_sketch INTEGER` (the prompt's 64-bit similarity sketch, stored as
 //!   the signed integer with the same bits; `NULL` when the prompt had no word, and for rows
 //!   written before v9). Readers need v9.
+//! * v10 — columns `ttft_unaccounted_ms REAL`, `e2e_unaccounted_ms REAL` (the parts of TTFT
+//!   and end to end the engine did not account for) and `engine_timing TEXT` (`consistent` /
+//!   `exceeds_gateway`); `NULL` for rows written before v10. Readers need v10.
 //!
 //! Indexes: the primary key (`request_id`: idempotent inserts, [`SqliteStore::get`]) and
 //! `idx_log_created_at`, led by `created_at` and carrying every column a
@@ -140,7 +143,7 @@ pub const SQL_USER_TOKENS_PER_DAY: &str = include_str!("sql/user_tokens_per_day.
 pub const SQL_MEAN_TTFT_BY_BUCKET: &str = include_str!("sql/mean_ttft_by_bucket.sql");
 
 /// Every column of [`TABLE`], in the order [`record_from_row`] expects them.
-pub const COLUMNS: [&str; 62] = [
+pub const COLUMNS: [&str; 65] = [
     "request_id",
     "trace_id",
     "created_at",
@@ -203,6 +206,9 @@ pub const COLUMNS: [&str; 62] = [
     "blocker_business_line",
     "blocker_prompt_tokens",
     "prompt_sketch",
+    "ttft_unaccounted_ms",
+    "e2e_unaccounted_ms",
+    "engine_timing",
 ];
 
 /// Ordered schema migrations: entry `i` takes the schema from version `i` to `i + 1`.
@@ -333,15 +339,20 @@ const MIGRATIONS: &[&str] = &[
     // v9: the prompt's similarity sketch (64 bits as a signed integer; `NULL` for rows written
     // before v9).
     "ALTER TABLE llm_inference_log ADD COLUMN prompt_sketch INTEGER;",
+    // v10: the TTFT / end-to-end split (`RequestRecord::split_times`; `NULL` for rows written
+    // before v10).
+    "ALTER TABLE llm_inference_log ADD COLUMN ttft_unaccounted_ms REAL;
+    ALTER TABLE llm_inference_log ADD COLUMN e2e_unaccounted_ms REAL;
+    ALTER TABLE llm_inference_log ADD COLUMN engine_timing TEXT;",
 ];
 
 /// The schema version this build writes and understands.
 pub const SCHEMA_VERSION: u32 = MIGRATIONS.len() as u32;
 
-/// The oldest schema a read-only open accepts: v9 added `prompt_sketch`, the last column the
+/// The oldest schema a read-only open accepts: v10 added the TTFT split, the last columns the
 /// reads name (v3 and v4 only changed indexes). An older file is migrated by the next
 /// writer (`tokenscope serve`, or [`SqliteStore::open`]).
-pub const MIN_READ_VERSION: u32 = 9;
+pub const MIN_READ_VERSION: u32 = 10;
 
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -934,7 +945,7 @@ fn file_id(_path: &Path) -> std::io::Result<FileId> {
 }
 
 /// Rows per multi-row `INSERT` statement in [`SqliteStore::insert_batch`]
-/// (`ROWS_PER_INSERT × 62` parameters; SQLite allows 32 766).
+/// (`ROWS_PER_INSERT × 65` parameters; SQLite allows 32 766).
 const ROWS_PER_INSERT: usize = 32;
 
 /// `INSERT OR IGNORE INTO llm_inference_log (<COLUMNS>) VALUES (?,…), …` for `rows` rows,
@@ -949,7 +960,7 @@ fn insert_sql(rows: usize) -> String {
     )
 }
 
-/// Binds `r` to parameters `base + 1 ..= base + 62` of `stmt`, in [`COLUMNS`] order.
+/// Binds `r` to parameters `base + 1 ..= base + 65` of `stmt`, in [`COLUMNS`] order.
 fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusqlite::Result<()> {
     let mut i = base;
     let mut bind = |stmt: &mut Statement<'_>, v: &dyn ToSql| {
@@ -1019,6 +1030,9 @@ fn bind_record(stmt: &mut Statement<'_>, base: usize, r: &RequestRecord) -> rusq
     bind(stmt, &opt_i64(r.blocker_prompt_tokens))?;
     // The sketch's 64 bits as SQLite's signed integer (read back bit for bit).
     bind(stmt, &r.prompt_sketch.map(|v| v as i64))?;
+    bind(stmt, &r.ttft_unaccounted_ms)?;
+    bind(stmt, &r.e2e_unaccounted_ms)?;
+    bind(stmt, &r.engine_timing)?;
     debug_assert_eq!(i - base, COLUMNS.len());
     Ok(())
 }
@@ -1244,6 +1258,9 @@ pub fn record_from_row(row: &Row<'_>) -> rusqlite::Result<RequestRecord> {
         blocker_business_line: row.get(59)?,
         blocker_prompt_tokens: get_u64(row, 60)?,
         prompt_sketch: row.get::<_, Option<i64>>(61)?.map(|v| v as u64),
+        ttft_unaccounted_ms: row.get(62)?,
+        e2e_unaccounted_ms: row.get(63)?,
+        engine_timing: row.get(64)?,
     })
 }
 
@@ -1346,6 +1363,9 @@ pub(crate) mod tests {
             blocker_prompt_tokens: Some(1500),
             // High bit set: stored as a negative integer, read back bit for bit.
             prompt_sketch: Some(0x8000_0000_dead_beef),
+            ttft_unaccounted_ms: Some(490.5),
+            e2e_unaccounted_ms: Some(512.25),
+            engine_timing: Some("consistent".to_owned()),
         }
     }
 
@@ -1909,6 +1929,7 @@ pub(crate) mod tests {
         r.output_tokens = Some(12);
         r.output_tokens_source = TokenSource::Chunks;
         r.input_bucket = Some(InputBucket::B0To128); // from the entry estimate
+        r.split_times(); // as the gateway finishes every record
         r
     }
 
@@ -1927,6 +1948,8 @@ pub(crate) mod tests {
         // (a count from `usage` or the engine itself would be kept).
         r.output_tokens = Some(99);
         r.output_tokens_source = TokenSource::Engine;
+        // The TTFT / end-to-end split follows the new phases (the one rule).
+        r.split_times();
         r
     }
 

@@ -18,6 +18,8 @@
 //!   wins, and gives the record a status when it has none (504 timeout, 499 cancelled,
 //!   503 shutdown, 400 client error, else 502).
 //! * TPOT, inter-token latencies and chunk counts are set for streams only.
+//! * TTFT and end to end are split into the gateway's time, the time the engine did not
+//!   account for and the engine's reported phases (`RequestRecord::split_times`, the one rule).
 
 use super::ResponseFacts;
 use std::time::Instant;
@@ -155,6 +157,8 @@ pub(crate) fn derive(
             rec.queue_source = PhaseSource::Derived;
         }
     }
+    // TTFT and end to end in parts that add up: gateway, unaccounted, engine phases.
+    rec.split_times();
     rec.engine = f.kind.name().map(str::to_owned).or_else(|| {
         let detected = if f.timings.is_some() {
             "llamacpp"
@@ -735,6 +739,42 @@ mod tests {
                 "{name}: decode"
             );
         }
+    }
+
+    #[test]
+    fn records_carry_the_ttft_split() {
+        // llama.cpp streamed: TTFT 50, gateway 2, prefill 30 (engine), decode 40 (engine);
+        // the derived queue is not an engine number: 18 ms unaccounted.
+        let t0 = Instant::now();
+        let mut f = ResponseFacts::new(t0, Endpoint::ChatCompletions);
+        ok(&mut f, t0);
+        f.body_received(at(t0, 0));
+        f.upstream_sent(at(t0, 2));
+        f.timer.on_token_chunk(at(t0, 50));
+        f.timings = Some(LlamaTimings {
+            prompt_ms: Some(30.0),
+            predicted_ms: Some(40.0),
+            ..LlamaTimings::default()
+        });
+        let mut rec = RequestRecord::default();
+        derive(&mut rec, &f, None, at(t0, 100), None);
+        assert_eq!(rec.ttft_unaccounted_ms, Some(18.0));
+        assert_eq!(rec.e2e_unaccounted_ms, Some(100.0 - 2.0 - 30.0 - 40.0));
+        assert_eq!(rec.engine_timing.as_deref(), Some("consistent"));
+        // vLLM metrics claiming more than the gateway saw: flagged, not split.
+        let mut f = ResponseFacts::new(t0, Endpoint::ChatCompletions);
+        ok(&mut f, t0);
+        f.timer.on_token_chunk(at(t0, 50));
+        f.metrics = Some(VllmMetrics {
+            queue_time_ms: Some(0.0),
+            time_to_first_token_ms: Some(900.0),
+            generation_time_ms: Some(10.0),
+            ..VllmMetrics::default()
+        });
+        let mut rec = RequestRecord::default();
+        derive(&mut rec, &f, None, at(t0, 100), None);
+        assert_eq!(rec.engine_timing.as_deref(), Some("exceeds_gateway"));
+        assert_eq!(rec.ttft_unaccounted_ms, None);
     }
 
     #[test]

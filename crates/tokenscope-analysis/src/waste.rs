@@ -328,28 +328,7 @@ pub fn waste(
             saved_tokens: 0,
             saved_usd: None,
         };
-        let mut per_caller: std::collections::BTreeMap<
-            std::borrow::Cow<'_, str>,
-            (u64, Option<&str>),
-        > = std::collections::BTreeMap::new();
-        for &i in idx {
-            let e = per_caller
-                .entry(crate::anomalies::caller_key(ok[i]))
-                .or_insert((0, ok[i].business_line.as_deref()));
-            e.0 += 1;
-        }
-        d.callers = per_caller.len() as u64;
-        let mut callers: Vec<_> = per_caller.into_iter().collect();
-        callers.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then_with(|| a.0.cmp(&b.0)));
-        d.top_callers = callers
-            .into_iter()
-            .take(TOP_CALLERS)
-            .map(|(c, (n, bl))| PromptCaller {
-                caller: c.into_owned(),
-                requests: n,
-                business_line: bl.map(str::to_owned),
-            })
-            .collect();
+        (d.callers, d.top_callers) = callers_of(&ok, idx);
         for &i in &idx[1..] {
             repeat[i] = true;
             d.repeat_input_tokens += ok[i].input_tokens.unwrap_or(0);
@@ -638,26 +617,7 @@ fn near_duplicates(
             saved_tokens: 0,
             saved_usd: None,
         };
-        let mut per_caller: BTreeMap<std::borrow::Cow<'_, str>, (u64, Option<&str>)> =
-            BTreeMap::new();
-        for &i in &recs {
-            let e = per_caller
-                .entry(crate::anomalies::caller_key(ok[i]))
-                .or_insert((0, ok[i].business_line.as_deref()));
-            e.0 += 1;
-        }
-        g.callers = per_caller.len() as u64;
-        let mut callers: Vec<_> = per_caller.into_iter().collect();
-        callers.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then_with(|| a.0.cmp(&b.0)));
-        g.top_callers = callers
-            .into_iter()
-            .take(TOP_CALLERS)
-            .map(|(c, (n, bl))| PromptCaller {
-                caller: c.into_owned(),
-                requests: n,
-                business_line: bl.map(str::to_owned),
-            })
-            .collect();
+        (g.callers, g.top_callers) = callers_of(ok, &recs);
         for &i in recs.iter().skip(1).filter(|&&i| !repeat[i]) {
             out.requests += 1;
             g.input_tokens += ok[i].input_tokens.unwrap_or(0);
@@ -683,6 +643,31 @@ fn near_duplicates(
     list.truncate(opts.top);
     out.top = list;
     out
+}
+
+/// Distinct callers of the records `idx` and the [`TOP_CALLERS`] with the most requests (ties
+/// by name), each with the business line of its first request.
+fn callers_of(ok: &[&RequestRecord], idx: &[usize]) -> (u64, Vec<PromptCaller>) {
+    let mut per_caller: BTreeMap<std::borrow::Cow<'_, str>, (u64, Option<&str>)> = BTreeMap::new();
+    for &i in idx {
+        let e = per_caller
+            .entry(crate::anomalies::caller_key(ok[i]))
+            .or_insert((0, ok[i].business_line.as_deref()));
+        e.0 += 1;
+    }
+    let n = per_caller.len() as u64;
+    let mut callers: Vec<_> = per_caller.into_iter().collect();
+    callers.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then_with(|| a.0.cmp(&b.0)));
+    let top = callers
+        .into_iter()
+        .take(TOP_CALLERS)
+        .map(|(c, (n, bl))| PromptCaller {
+            caller: c.into_owned(),
+            requests: n,
+            business_line: bl.map(str::to_owned),
+        })
+        .collect();
+    (n, top)
 }
 
 fn usd(x: Option<f64>) -> String {

@@ -466,48 +466,16 @@ pub const SPLIT_COLUMNS: [(&str, &str); 3] = [
 ];
 
 fn v9(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
-    let (data, dist, on) = match (cx.target, cx.cluster) {
-        (Target::Single, _) | (_, None) => (TABLE, None, None),
-        (Target::ClusterNode, Some(_)) => (LOCAL_TABLE, Some(TABLE), None),
-        (Target::OnCluster, Some(c)) => (LOCAL_TABLE, Some(TABLE), Some(c)),
-    };
-    let mut out = Vec::new();
-    for t in std::iter::once(data).chain(dist) {
-        let mut after = "prompt_sketch";
-        for (name, ty) in SPLIT_COLUMNS {
-            out.push(add_column(
-                d,
-                cx.database,
-                t,
-                on,
-                &format!("{name} {ty}"),
-                after,
-            ));
-            after = name;
-        }
-    }
-    out
+    add_columns_after(d, cx, "prompt_sketch", &SPLIT_COLUMNS)
 }
 
 fn v8(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
-    let (data, dist, on) = match (cx.target, cx.cluster) {
-        (Target::Single, _) | (_, None) => (TABLE, None, None),
-        (Target::ClusterNode, Some(_)) => (LOCAL_TABLE, Some(TABLE), None),
-        (Target::OnCluster, Some(c)) => (LOCAL_TABLE, Some(TABLE), Some(c)),
-    };
-    std::iter::once(data)
-        .chain(dist)
-        .map(|t| {
-            add_column(
-                d,
-                cx.database,
-                t,
-                on,
-                "prompt_sketch Nullable(UInt64)",
-                "blocker_prompt_tokens",
-            )
-        })
-        .collect()
+    add_columns_after(
+        d,
+        cx,
+        "blocker_prompt_tokens",
+        &[("prompt_sketch", "Nullable(UInt64)")],
+    )
 }
 
 /// The blame columns of v7, in order, each after the one before it (the first after
@@ -522,28 +490,45 @@ pub const BLAME_COLUMNS: [(&str, &str); 7] = [
     ("blocker_prompt_tokens", "Nullable(UInt64)"),
 ];
 
-fn v7(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
-    let (data, dist, on) = match (cx.target, cx.cluster) {
-        (Target::Single, _) | (_, None) => (TABLE, None, None),
-        (Target::ClusterNode, Some(_)) => (LOCAL_TABLE, Some(TABLE), None),
-        (Target::OnCluster, Some(c)) => (LOCAL_TABLE, Some(TABLE), Some(c)),
-    };
+/// The tables a column migration changes: the data table and, in a cluster, the
+/// `Distributed` one, with the `ON CLUSTER` name when the migration runs on every node.
+fn column_targets<'a>(cx: &MigrationContext<'a>) -> (Vec<&'static str>, Option<&'a str>) {
+    match (cx.target, cx.cluster) {
+        (Target::Single, _) | (_, None) => (vec![TABLE], None),
+        (Target::ClusterNode, Some(_)) => (vec![LOCAL_TABLE, TABLE], None),
+        (Target::OnCluster, Some(c)) => (vec![LOCAL_TABLE, TABLE], Some(c)),
+    }
+}
+
+/// `ADD COLUMN` of each `(name, type)` in order, the first after `after`, on every table of
+/// [`column_targets`].
+fn add_columns_after(
+    d: &Dialect,
+    cx: &MigrationContext<'_>,
+    after: &str,
+    columns: &[(&str, &str)],
+) -> Vec<String> {
+    let (tables, on) = column_targets(cx);
     let mut out = Vec::new();
-    for t in std::iter::once(data).chain(dist) {
-        let mut after = "replica";
-        for (name, ty) in BLAME_COLUMNS {
+    for t in tables {
+        let mut prev = after;
+        for (name, ty) in columns {
             out.push(add_column(
                 d,
                 cx.database,
                 t,
                 on,
                 &format!("{name} {ty}"),
-                after,
+                prev,
             ));
-            after = name;
+            prev = name;
         }
     }
     out
+}
+
+fn v7(d: &Dialect, cx: &MigrationContext<'_>) -> Vec<String> {
+    add_columns_after(d, cx, "replica", &BLAME_COLUMNS)
 }
 
 /// The alert claims table (v6): one row per claim, `(fingerprint, replica, claimed_at_us)`.

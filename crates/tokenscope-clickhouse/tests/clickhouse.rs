@@ -291,6 +291,7 @@ fn engine_update(trace: &str) -> PhaseUpdate {
         decode_duration_ms: None,
         input_tokens: Some(700),
         output_tokens: Some(99),
+        per_step: false,
     }
 }
 

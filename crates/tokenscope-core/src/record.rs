@@ -445,9 +445,12 @@ pub struct RequestRecord {
     /// prefill and decode, ms.
     #[serde(default)]
     pub e2e_unaccounted_ms: Option<f64>,
-    /// Whether the engine's reported phases fit what the gateway measured: `consistent`, or
-    /// `exceeds_gateway` (they add up to more than the gateway's TTFT / end to end: not this
-    /// request's truth, e.g. per-step values); `None` when the engine reported none.
+    /// Whether the engine's reported phases are this request's own and fit what the gateway
+    /// measured: `consistent`; `per_step` (identical, to the bit, to those of another request
+    /// of the same engine step on the same replica: the step's times, shared by its requests,
+    /// not per-request truth — [`RequestRecord::mark_per_step`]); `exceeds_gateway` (they add
+    /// up to more than the gateway's TTFT / end to end: not this request's truth); `None` when
+    /// the engine reported none.
     #[serde(default)]
     pub engine_timing: Option<String>,
 }
@@ -455,6 +458,10 @@ pub struct RequestRecord {
 /// Tolerance of [`RequestRecord::split_times`]: engine phases may exceed the gateway's
 /// window by this much (clock rounding) and still be consistent, ms.
 pub const SPLIT_TOLERANCE_MS: f64 = 1.0;
+
+/// `engine_timing` of a record whose engine values are identical to another request's of the
+/// same engine step: the step's numbers, not this request's own ([`RequestRecord::mark_per_step`]).
+pub const ENGINE_TIMING_PER_STEP: &str = "per_step";
 
 /// Engine-side phase values that arrive after the response (OTLP spans from vLLM or SGLang),
 /// joined to the record by trace id. `None` fields leave the stored value unchanged.
@@ -473,6 +480,11 @@ pub struct PhaseUpdate {
     pub input_tokens: Option<u64>,
     /// Engine-side completion tokens (see [`RequestRecord::apply_update`]).
     pub output_tokens: Option<u64>,
+    /// The record's engine values were found identical to another request's of the same
+    /// engine step (the gateway's per-replica board): `engine_timing` becomes `per_step`.
+    /// `false` leaves it as it is.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub per_step: bool,
 }
 
 /// The largest token count an update may carry: every store keeps counts as signed 64-bit
@@ -495,6 +507,7 @@ impl PhaseUpdate {
             decode_duration_ms: ms(self.decode_duration_ms),
             input_tokens: tokens(self.input_tokens),
             output_tokens: tokens(self.output_tokens),
+            per_step: self.per_step,
         }
     }
 
@@ -512,6 +525,7 @@ impl PhaseUpdate {
         pick(&mut self.decode_duration_ms, newer.decode_duration_ms);
         pick(&mut self.input_tokens, newer.input_tokens);
         pick(&mut self.output_tokens, newer.output_tokens);
+        self.per_step |= newer.per_step;
     }
 }
 
@@ -570,13 +584,26 @@ impl RequestRecord {
             },
             _ => None,
         };
+        let per_step = self.engine_timing.as_deref() == Some(ENGINE_TIMING_PER_STEP);
         self.engine_timing = if q.or(p).or(d).is_none() {
             None
         } else if exceeds {
             Some("exceeds_gateway".to_owned())
+        } else if per_step {
+            Some(ENGINE_TIMING_PER_STEP.to_owned())
         } else {
             Some("consistent".to_owned())
         };
+    }
+
+    /// Marks the record's engine values as per step, not per request (identical to another
+    /// request's of the same engine step): `engine_timing = per_step` while they are
+    /// consistent with the gateway's measure (`exceeds_gateway` stays the stronger statement).
+    /// Kept by every later [`Self::split_times`].
+    pub fn mark_per_step(&mut self) {
+        if self.engine_timing.as_deref() == Some("consistent") {
+            self.engine_timing = Some(ENGINE_TIMING_PER_STEP.to_owned());
+        }
     }
 
     /// `true` for the `ok` outcome.
@@ -633,6 +660,13 @@ impl RequestRecord {
         if u.output_tokens.is_some() && replaceable(self.output_tokens, self.output_tokens_source) {
             self.output_tokens = u.output_tokens;
             self.output_tokens_source = TokenSource::Engine;
+        }
+        if u.per_step {
+            // Marked before the split so that the split keeps it (the engine values may
+            // arrive in this very update).
+            if self.engine_timing.as_deref() != Some("exceeds_gateway") {
+                self.engine_timing = Some(ENGINE_TIMING_PER_STEP.to_owned());
+            }
         }
         self.split_times();
     }
@@ -703,6 +737,42 @@ mod split_tests {
         assert!(
             (r.ttft_unaccounted_ms.expect("split") - (573.0 - 0.3 - 400.0 - 82.0)).abs() < 1e-9
         );
+    }
+
+    #[test]
+    fn per_step_values_stay_marked_and_still_add_up() {
+        let mut r = rec(573.0, 0.3, Some(0.014), 82.0, 10.0, 600.0);
+        r.split_times();
+        r.mark_per_step();
+        assert_eq!(r.engine_timing.as_deref(), Some(ENGINE_TIMING_PER_STEP));
+        r.split_times();
+        assert_eq!(r.engine_timing.as_deref(), Some(ENGINE_TIMING_PER_STEP));
+        assert!(r.ttft_unaccounted_ms.is_some(), "the parts still add up");
+        // Marked by a late update (the gateway names a step's earlier requests), idempotent.
+        let mut r = rec(573.0, 0.3, Some(0.014), 82.0, 10.0, 600.0);
+        r.split_times();
+        let u = PhaseUpdate {
+            trace_id: "t".into(),
+            per_step: true,
+            ..PhaseUpdate::default()
+        };
+        r.apply_update(&u);
+        let once = r.clone();
+        r.apply_update(&u);
+        assert_eq!(r, once);
+        assert_eq!(r.engine_timing.as_deref(), Some(ENGINE_TIMING_PER_STEP));
+        // Values above the gateway's measure: that is the stronger statement.
+        let mut r = rec(80.0, 0.3, Some(0.0), 901.0, 10.0, 1000.0);
+        r.split_times();
+        r.mark_per_step();
+        r.apply_update(&u);
+        assert_eq!(r.engine_timing.as_deref(), Some("exceeds_gateway"));
+        // Merging keeps the mark.
+        let mut m = PhaseUpdate::default();
+        m.merge(&u);
+        assert!(m.per_step);
+        m.merge(&PhaseUpdate::default());
+        assert!(m.per_step);
     }
 
     proptest! {

@@ -33,6 +33,18 @@
 //! * A ticket dropped without [`Ticket::leave`] (the request was retried on another
 //!   replica) removes its request from the board without leaving a trace there.
 //!
+//! ## Per-step engine numbers
+//!
+//! An engine that stamps its per-request times at step boundaries (vLLM's per-request
+//! `metrics`: scheduled / first token / last token are taken once per engine step) gives
+//! every request of one step the same values. A leaving request whose engine-reported prefill
+//! and decode ([`StepKey`]) are bit-identical to those of a request that finished on the same
+//! replica while it was in flight was timed per step, not per request: [`Ticket::leave_step`]
+//! says so ([`StepMates::per_step`]) and names the trace ids of the earlier requests of that
+//! step not yet named ([`StepMates::flag`]; each is named once), so that their records are
+//! marked too (a late update). Only engine-reported values take part (a value the gateway
+//! derived is not the engine's), and a zero prefill never does.
+//!
 //! [`Replica`]: crate::replicas::Replica
 
 use parking_lot::Mutex;
@@ -90,6 +102,38 @@ struct Ended {
     slot: Arc<Slot>,
     prefill_end: Instant,
     end: Instant,
+    /// Its engine-reported prefill and decode, and its trace id.
+    step: Option<(StepKey, Option<String>)>,
+    /// Already found to share its step with another request.
+    per_step: bool,
+}
+
+/// A request's engine-reported prefill and decode, as bits (`f64::to_bits`; decode 0 when
+/// the engine reported none): two requests with the same key were timed per step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StepKey {
+    pub prefill_bits: u64,
+    pub decode_bits: u64,
+}
+
+impl StepKey {
+    /// The key of an engine-reported prefill (> 0) and decode; `None` without a prefill.
+    pub(crate) fn of(prefill_ms: Option<f64>, decode_ms: Option<f64>) -> Option<StepKey> {
+        let p = prefill_ms.filter(|p| p.is_finite() && *p > 0.0)?;
+        Some(StepKey {
+            prefill_bits: p.to_bits(),
+            decode_bits: decode_ms.filter(|d| d.is_finite()).map_or(0, f64::to_bits),
+        })
+    }
+}
+
+/// What [`Ticket::leave_step`] found about the leaving request's engine numbers.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(crate) struct StepMates {
+    /// Its engine values equal another overlapping request's: per step, not per request.
+    pub per_step: bool,
+    /// Trace ids of the earlier requests of the same step not named before.
+    pub flag: Vec<String>,
 }
 
 #[derive(Default)]
@@ -164,16 +208,32 @@ impl Ticket {
         self.slot.sent
     }
 
-    /// The request finished at `end`. `engine_prefill_end` is `sent + queue + prefill` where
-    /// the engine reported both; `input_tokens` its prompt tokens as finally counted. Returns
-    /// its blame, or `None` when its wait has no known end.
+    /// [`Self::leave_step`] without engine values (tests).
+    #[cfg(test)]
     pub(crate) fn leave(
-        mut self,
+        self,
         engine_prefill_end: Option<Instant>,
         input_tokens: Option<u64>,
         end: Instant,
     ) -> Option<Blame> {
-        let board = self.board.take()?;
+        self.leave_step(engine_prefill_end, input_tokens, end, None)
+            .0
+    }
+
+    /// The request finished at `end`. `engine_prefill_end` is `sent + queue + prefill` where
+    /// the engine reported both; `input_tokens` its prompt tokens as finally counted; `step`
+    /// its engine-reported prefill / decode and trace id. Returns its blame (`None` when its
+    /// wait has no known end) and its step mates (module docs).
+    pub(crate) fn leave_step(
+        mut self,
+        engine_prefill_end: Option<Instant>,
+        input_tokens: Option<u64>,
+        end: Instant,
+        step: Option<(StepKey, Option<String>)>,
+    ) -> (Option<Blame>, StepMates) {
+        let Some(board) = self.board.take() else {
+            return (None, StepMates::default());
+        };
         let slot = self.slot.clone();
         if let Some(t) = input_tokens {
             slot.prompt_tokens.store(t, Ordering::Relaxed);
@@ -184,6 +244,10 @@ impl Ticket {
         let mut g = board.inner.lock();
         g.active.remove(&self.id);
         let blame = wait_end.map(|w| blame_of(&g, &slot, w.max(slot.sent)));
+        let mates = match &step {
+            Some((key, _)) => step_mates(&mut g, slot.sent, *key),
+            None => StepMates::default(),
+        };
         if g.ended.len() >= ENDED_CAP {
             g.ended.pop_front();
         }
@@ -191,9 +255,11 @@ impl Ticket {
             slot,
             prefill_end,
             end,
+            step,
+            per_step: mates.per_step,
         });
         drop(g);
-        blame
+        (blame, mates)
     }
 }
 
@@ -203,6 +269,31 @@ impl Drop for Ticket {
             board.inner.lock().active.remove(&self.id);
         }
     }
+}
+
+/// The finished requests that overlapped `[sent, now)` with the same engine values as `key`
+/// (module docs); marks them named.
+fn step_mates(g: &mut Inner, sent: Instant, key: StepKey) -> StepMates {
+    let mut m = StepMates::default();
+    for e in g.ended.iter_mut().rev() {
+        if e.end <= sent {
+            break;
+        }
+        let Some((k, trace)) = &e.step else {
+            continue;
+        };
+        if *k != key {
+            continue;
+        }
+        m.per_step = true;
+        if !e.per_step {
+            e.per_step = true;
+            if let Some(t) = trace {
+                m.flag.push(t.clone());
+            }
+        }
+    }
+    m
 }
 
 /// The blame of `me`, whose wait is `[me.sent, wait_end)`, against the board's requests.
@@ -373,5 +464,39 @@ mod tests {
             let _ = t.leave(None, None, ms(t0, i + 2));
         }
         assert_eq!(board.inner.lock().ended.len(), ENDED_CAP);
+    }
+
+    #[test]
+    fn requests_of_one_step_with_identical_engine_values_are_per_step() {
+        let board = Arc::new(Board::default());
+        let t0 = Instant::now();
+        let key = StepKey::of(Some(82.125), Some(361.5)).expect("key");
+        let other = StepKey::of(Some(82.126), Some(361.5)).expect("key");
+        assert_eq!(StepKey::of(Some(0.0), Some(1.0)), None, "no zero prefill");
+        let a = board.enter(who("a"), 5, ms(t0, 0));
+        let b = board.enter(who("b"), 5, ms(t0, 1));
+        let c = board.enter(who("c"), 5, ms(t0, 2));
+        let d = board.enter(who("d"), 5, ms(t0, 3));
+        let (_, ma) = a.leave_step(None, None, ms(t0, 500), Some((key, Some("ta".into()))));
+        assert_eq!(ma, StepMates::default(), "alone so far");
+        // Different values: its own.
+        let (_, md) = d.leave_step(None, None, ms(t0, 501), Some((other, Some("td".into()))));
+        assert!(!md.per_step);
+        // Same values as a, overlapping it: both per step, a named once.
+        let (_, mb) = b.leave_step(None, None, ms(t0, 502), Some((key, Some("tb".into()))));
+        assert_eq!(
+            mb,
+            StepMates {
+                per_step: true,
+                flag: vec!["ta".to_owned()]
+            }
+        );
+        let (_, mc) = c.leave_step(None, None, ms(t0, 503), Some((key, Some("tc".into()))));
+        assert!(mc.per_step);
+        assert!(mc.flag.is_empty(), "a and b were named already: {mc:?}");
+        // A request sent after they all ended is not of their step, whatever its values.
+        let e = board.enter(who("e"), 5, ms(t0, 600));
+        let (_, me) = e.leave_step(None, None, ms(t0, 900), Some((key, Some("te".into()))));
+        assert!(!me.per_step);
     }
 }

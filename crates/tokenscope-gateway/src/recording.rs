@@ -19,12 +19,12 @@
 //! ([`RecordGuard::record`], [`RecordGuard::facts`], …); all of them are no-ops once the
 //! record is finished.
 
-use crate::blame::{Blame, Ticket, Who};
+use crate::blame::{Blame, StepKey, Ticket, Who};
 use crate::facts::{derive::derive, ResponseFacts};
 use crate::finished::{Counts, EntryCount, Fanout, TraceFacts};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokenscope_core::{Outcome, RequestRecord};
+use tokenscope_core::{Outcome, PhaseSource, PhaseUpdate, RequestRecord};
 use tokenscope_telemetry::InFlightGuard;
 
 /// Where finished records go (the store pipeline). Must not block.
@@ -188,8 +188,20 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
             }
             _ => None,
         };
-        let blame = t.leave(engine_prefill_end, p.rec.input_tokens, end);
+        let trace_id = Some(p.rec.trace_id.clone()).filter(|t| !t.is_empty());
+        let step = engine_step_key(&p.rec).map(|k| (k, trace_id));
+        let (blame, mates) = t.leave_step(engine_prefill_end, p.rec.input_tokens, end, step);
         apply_blame(&mut p.rec, blame);
+        if mates.per_step {
+            p.rec.mark_per_step();
+            for trace_id in mates.flag {
+                p.fanout.recorder.update(PhaseUpdate {
+                    trace_id,
+                    per_step: true,
+                    ..PhaseUpdate::default()
+                });
+            }
+        }
     }
     let trace = TraceFacts {
         trace: p.trace,
@@ -204,6 +216,17 @@ fn finalize(mut p: Pending, end: Instant, forced: Option<(Outcome, &'static str)
         output_text: p.facts.take_output_text(),
     };
     p.fanout.complete(p.rec, trace, counts);
+}
+
+/// The record's engine-reported prefill and decode as a [`StepKey`] (`None` when the prefill
+/// is not the engine's own number).
+fn engine_step_key(rec: &RequestRecord) -> Option<StepKey> {
+    let engine = |s: PhaseSource| matches!(s, PhaseSource::Engine | PhaseSource::EngineSpan);
+    if !engine(rec.prefill_source) {
+        return None;
+    }
+    let decode = rec.decode_duration_ms.filter(|_| engine(rec.decode_source));
+    StepKey::of(rec.prefill_duration_ms, decode)
 }
 
 /// The blame's fields on the record (`None` leaves them unmeasured).

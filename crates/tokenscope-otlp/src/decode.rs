@@ -254,6 +254,7 @@ fn engine_span(span: &Span, service_name: Option<&str>) -> Verdict {
             decode_duration_ms: g.decode_ms,
             input_tokens: g.prompt_tokens.or(g.input_tokens),
             output_tokens: g.completion_tokens.or(g.output_tokens),
+            per_step: false,
         },
         trace_id,
         ttft_ms: g.ttft_ms,

@@ -393,6 +393,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 decode_duration_ms: rec.decode_duration_ms,
                 input_tokens: rec.input_tokens,
                 output_tokens: Some(42),
+                per_step: false,
             });
         }
         if ups.len() >= args.batch || (gen.i == args.rows && !ups.is_empty()) {
@@ -523,6 +524,7 @@ fn pipeline(
                 decode_duration_ms: Some(3.0),
                 input_tokens: None,
                 output_tokens: None,
+                per_step: false,
             });
             let early = gen.i.is_multiple_of(50);
             if let (Some(u), true) = (&update, early) {

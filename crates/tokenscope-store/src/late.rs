@@ -569,6 +569,7 @@ mod tests {
             decode in sent_ms(),
             input in sent_tokens(),
             output in sent_tokens(),
+            per_step in prop::bool::weighted(0.2),
         ) -> PhaseUpdate {
             PhaseUpdate {
                 trace_id: t.map(trace).unwrap_or_default(),
@@ -577,6 +578,7 @@ mod tests {
                 decode_duration_ms: decode,
                 input_tokens: input,
                 output_tokens: output,
+                per_step,
             }
         }
     }

@@ -1913,6 +1913,7 @@ pub(crate) mod tests {
             decode_duration_ms: None,
             input_tokens: Some(700),
             output_tokens: Some(99),
+            per_step: false,
         }
     }
 
@@ -2075,6 +2076,7 @@ pub(crate) mod tests {
             decode_duration_ms: Some(f64::INFINITY),
             input_tokens: None,
             output_tokens: None,
+            per_step: false,
         };
         let empty = PhaseUpdate::default();
         assert_eq!(store.apply_updates(&[bad, empty]).expect("update"), 1);

@@ -17,6 +17,7 @@ fn expected_vllm(service: Option<&str>) -> EngineSpan {
             decode_duration_ms: Some(1062.5),
             input_tokens: Some(42),
             output_tokens: Some(17),
+            per_step: false,
         },
         ttft_ms: Some(312.5),
         e2e_ms: Some(1500.0),

@@ -24,7 +24,18 @@
 //!    cache's: admission waits for cache room) when, without starvation, the queue share or
 //!    the P99 TTFT is beyond its threshold, at least one request was waiting and the KV cache
 //!    *holds the batch* (below); `slow_ttft` when P99 TTFT > [`DiagnoseOptions::ttft_p99_ms`]
-//!    (with `prefill_bound` when the prefill share dominates instead). Any finding → problem.
+//!    (with `prefill_bound` when the prefill share dominates instead). **Time the engine did
+//!    not account for** (`ttft_unaccounted_ms`, `RequestRecord::split_times`): a request whose
+//!    unaccounted time is ≥ [`DiagnoseOptions::unaccounted_share`] of its TTFT and ≥
+//!    [`DiagnoseOptions::unaccounted_min_ms`] is *dominated* by it; those that arrived with
+//!    requests waiting in the engine (`engine_waiting ≥ 1`) queued there (an engine that
+//!    reports no queue, llama.cpp) and are left to the queue share; when at least
+//!    [`DiagnoseOptions::unaccounted_min_requests`] others remain the finding is
+//!    `unaccounted_wait`, caused by *step blocking* (the gateway's blame covers ≥ half of their
+//!    wait: the engine was busy with a step — a long prefill — that began before they arrived,
+//!    named with the blocker's caller) or else the engine's *frontend* (HTTP / API server,
+//!    tokenisation, network). Engine phases flagged `exceeds_gateway` are left out of the
+//!    shares and of the engine TTFT; `engine_timing` counts each kind. Any finding → problem.
 //! 3. **tpot** — P50/P99 of TPOT; decode share (Σ decode / Σ total); KV-cache usage at
 //!    arrival (P50/P90 of `engine_kv_usage`); batch size proxy (`engine_running` at arrival:
 //!    mean, P50, max); GPU memory bandwidth P50 when known. Problem when P99 TPOT >
@@ -123,6 +134,14 @@ pub struct DiagnoseOptions {
     /// A loop (one caller, one prompt, a fixed period) at or above this many requests per
     /// second is a problem; slower ones (health checks, crons) are listed only. Default 1.
     pub loop_problem_rate: f64,
+    /// A request's TTFT is *dominated by time the engine did not account for* when its
+    /// `ttft_unaccounted_ms` is at least this share of its TTFT… Default 0.5.
+    pub unaccounted_share: f64,
+    /// …and at least this many ms. Default 100.
+    pub unaccounted_min_ms: f64,
+    /// Fewest such requests (outside the engine's own queue) for the `unaccounted_wait`
+    /// finding. Default 3.
+    pub unaccounted_min_requests: usize,
 }
 
 impl Default for DiagnoseOptions {
@@ -142,6 +161,9 @@ impl Default for DiagnoseOptions {
             network_p99_ms: 500.0,
             top_callers: 5,
             loop_problem_rate: 1.0,
+            unaccounted_share: 0.5,
+            unaccounted_min_ms: 100.0,
+            unaccounted_min_requests: 3,
         }
     }
 }
@@ -459,7 +481,7 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     // derivation from its timings) gives both — the record's own phases, never a guess.
     let engine_ttft: Vec<RequestRecord> = recs
         .iter()
-        .filter(|r| r.ttft_ms.is_none())
+        .filter(|r| r.ttft_ms.is_none() && !exceeds_gateway(r))
         .filter_map(|r| {
             let t = r.queue_duration_ms? + r.prefill_duration_ms?;
             let mut c = (**r).clone();
@@ -532,7 +554,8 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     b.ev("per_bucket", json!(per_bucket));
     // Shares.
     let (mut q_sum, mut qt_sum, mut p_sum, mut pt_sum) = (0.0, 0.0, 0.0, 0.0);
-    for r in &with {
+    // Engine phases above the gateway's measure are not this request's: out of the shares.
+    for r in with.iter().filter(|r| !exceeds_gateway(r)) {
         let t = r.ttft_ms.unwrap_or(0.0);
         if let Some(q) = r.queue_duration_ms {
             q_sum += q;
@@ -608,6 +631,11 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
             starvation = Some((lb, rat.unwrap_or(0.0)));
         }
     }
+    b.ev("engine_timing", engine_timing_counts(&with));
+    let unacc = Unaccounted::of(&with, opts);
+    if let Some(u) = &unacc {
+        b.ev("unaccounted", u.json());
+    }
     let queueing = queue_share.is_some_and(|s| s >= opts.queue_share);
     let slow = p99.is_some_and(|x| x > opts.ttft_p99_ms);
     let blame = blame_evidence(&with);
@@ -636,6 +664,15 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
         .filter(|_| starvation.is_some() || queueing || slow)
     {
         parts.push(bl.sentence());
+    }
+    // Time the engine did not account for (issue 22): its own verdict, with the requests in
+    // flight on the replica (the blame) as evidence.
+    if let Some(u) = unacc
+        .as_ref()
+        .filter(|u| u.candidates >= opts.unaccounted_min_requests.max(1))
+    {
+        b.find("unaccounted_wait", &u.remedies(&cap));
+        parts.push(u.sentence());
     }
     // Engine state at arrival: a queue that forms while the KV cache holds the batch is the
     // cache's (admission waits for cache room, not for a slot).
@@ -706,6 +743,207 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
         parts.join("; ")
     };
     b.step
+}
+
+/// `engine_timing = exceeds_gateway`: the engine's phases add up to more than the gateway saw.
+fn exceeds_gateway(r: &RequestRecord) -> bool {
+    r.engine_timing.as_deref() == Some("exceeds_gateway")
+}
+
+/// How many requests' engine numbers are their own (`consistent`), their step's (`per_step`)
+/// or above the gateway's measure (`exceeds_gateway`).
+fn engine_timing_counts(recs: &[&RequestRecord]) -> Value {
+    let mut m: BTreeMap<&str, u64> = BTreeMap::new();
+    for r in recs {
+        if let Some(t) = r.engine_timing.as_deref() {
+            *m.entry(t).or_default() += 1;
+        }
+    }
+    json!(m)
+}
+
+/// The requests whose TTFT is mostly time the engine did not account for
+/// (`ttft_unaccounted_ms`, [`RequestRecord::split_times`]): at least
+/// [`DiagnoseOptions::unaccounted_share`] of their TTFT and
+/// [`DiagnoseOptions::unaccounted_min_ms`]. Those that arrived while the engine said requests
+/// were waiting (`engine_waiting ≥ 1`) queued in the engine, which reports no per-request
+/// queue (llama.cpp): they are the queueing finding's, not this one's. The others are the
+/// *candidates*; their wait is **step blocking** (the engine busy with a step that started
+/// before they arrived — a long prefill) when the gateway's blame covers at least half of it,
+/// else the engine's **frontend** (its HTTP / API server, tokenisation, the network).
+#[derive(Debug, Clone)]
+struct Unaccounted {
+    with_split: usize,
+    share: Option<f64>,
+    dominated: usize,
+    engine_waiting: usize,
+    candidates: usize,
+    sum_ms: f64,
+    p50_ms: f64,
+    ttft_p50_ms: f64,
+    /// Σ min(blocked, unaccounted) / Σ unaccounted over the candidates.
+    blame_cover: f64,
+    step_blocking: bool,
+    /// The blocker group with the most blocked time: caller, business line, its largest
+    /// request id and that request's prompt tokens.
+    blocker: Option<(String, String, String, u64)>,
+}
+
+impl Unaccounted {
+    fn of(recs: &[&RequestRecord], opts: &DiagnoseOptions) -> Option<Unaccounted> {
+        let split: Vec<(&RequestRecord, f64, f64)> = recs
+            .iter()
+            .filter_map(|r| Some((*r, r.ttft_unaccounted_ms?, r.ttft_ms?)))
+            .filter(|(_, u, t)| u.is_finite() && t.is_finite() && *t > 0.0)
+            .collect();
+        if split.is_empty() {
+            return None;
+        }
+        let (su, st) = split
+            .iter()
+            .fold((0.0, 0.0), |(a, b), (_, u, t)| (a + u, b + t));
+        type Row<'a> = (&'a RequestRecord, f64, f64);
+        let dominated: Vec<Row<'_>> = split
+            .iter()
+            .copied()
+            .filter(|(_, u, t)| *u >= opts.unaccounted_min_ms && *u >= opts.unaccounted_share * t)
+            .collect();
+        let (queued, cands): (Vec<Row<'_>>, Vec<Row<'_>>) = dominated
+            .iter()
+            .copied()
+            .partition(|(r, _, _)| r.engine_waiting.is_some_and(|w| w >= 1.0));
+        let mut us: Vec<f64> = cands.iter().map(|(_, u, _)| *u).collect();
+        us.sort_by(f64::total_cmp);
+        let mut ts: Vec<f64> = cands.iter().map(|(_, _, t)| *t).collect();
+        ts.sort_by(f64::total_cmp);
+        let sum: f64 = us.iter().sum();
+        let covered: f64 = cands
+            .iter()
+            .map(|(r, u, _)| r.blocked_ms.unwrap_or(0.0).clamp(0.0, *u))
+            .sum();
+        let blame_cover = if sum > 0.0 { covered / sum } else { 0.0 };
+        // Behind whom: the blocker (caller, line) holding the most of the candidates' wait.
+        type Group = (f64, Option<(u64, String)>);
+        let mut groups: BTreeMap<(String, String), Group> = BTreeMap::new();
+        for (r, u, _) in &cands {
+            let (Some(ms), Some(id)) = (r.blocked_ms, r.blocker_request_id.as_deref()) else {
+                continue;
+            };
+            if ms <= 0.0 {
+                continue;
+            }
+            let key = (
+                r.blocker_caller
+                    .clone()
+                    .unwrap_or_else(|| "(unknown)".to_owned()),
+                r.blocker_business_line
+                    .clone()
+                    .unwrap_or_else(|| "(none)".to_owned()),
+            );
+            let g = groups.entry(key).or_default();
+            g.0 += ms.min(*u);
+            let t = r.blocker_prompt_tokens.unwrap_or(0);
+            let better = match &g.1 {
+                None => true,
+                Some((bt, bid)) => t > *bt || (t == *bt && id < bid.as_str()),
+            };
+            if better {
+                g.1 = Some((t, id.to_owned()));
+            }
+        }
+        let blocker = groups
+            .into_iter()
+            .max_by(|a, b| a.1 .0.total_cmp(&b.1 .0).then_with(|| b.0.cmp(&a.0)))
+            .map(|((caller, line), (_, ex))| {
+                let (t, id) = ex.unwrap_or_default();
+                (caller, line, id, t)
+            });
+        Some(Unaccounted {
+            with_split: split.len(),
+            share: ratio(su, st),
+            dominated: dominated.len(),
+            engine_waiting: queued.len(),
+            candidates: cands.len(),
+            sum_ms: sum,
+            p50_ms: percentile(&us, 0.5).unwrap_or(0.0),
+            ttft_p50_ms: percentile(&ts, 0.5).unwrap_or(0.0),
+            blame_cover,
+            step_blocking: blame_cover >= 0.5,
+            blocker,
+        })
+    }
+
+    fn cause(&self) -> &'static str {
+        if self.step_blocking {
+            "step_blocking"
+        } else {
+            "frontend"
+        }
+    }
+
+    fn json(&self) -> Value {
+        let mut v = json!({
+            "requests_with_split": self.with_split,
+            "share_of_ttft": num(self.share.map(r4)),
+            "dominated": self.dominated,
+            "dominated_engine_waiting": self.engine_waiting,
+            "candidates": self.candidates,
+            "candidates_unaccounted_ms_sum": r4(self.sum_ms),
+            "candidates_unaccounted_ms_p50": r4(self.p50_ms),
+            "candidates_ttft_ms_p50": r4(self.ttft_p50_ms),
+            "blame_cover": r4(self.blame_cover),
+            "cause": self.cause(),
+        });
+        if let Some((caller, line, id, tokens)) = &self.blocker {
+            v["blocker_caller"] = json!(caller);
+            v["blocker_business_line"] = json!(line);
+            v["blocker_request_id"] = json!(id);
+            v["blocker_prompt_tokens"] = json!(tokens);
+        }
+        v
+    }
+
+    /// "3 requests spent most of their TTFT in time the engine did not account for (1.5 s in
+    /// all, P50 495 ms of a P50 TTFT of 573 ms): step blocking — waiting for the engine's
+    /// current step to end, behind batch-job's (offline) prompt of 1503 tokens (request r-1)".
+    fn sentence(&self) -> String {
+        let head = format!(
+            "{} requests spent most of their TTFT in time the engine did not account for ({:.1} s in all, P50 {:.0} ms of a P50 TTFT of {:.0} ms)",
+            self.candidates,
+            self.sum_ms / 1000.0,
+            self.p50_ms,
+            self.ttft_p50_ms
+        );
+        if self.step_blocking {
+            let behind = match &self.blocker {
+                Some((caller, line, id, tokens)) => format!(
+                    ", behind {caller}'s ({line}) prompt of {tokens} tokens (request {id})"
+                ),
+                None => String::new(),
+            };
+            format!(
+                "{head}: step blocking — waiting for the engine's current step to end{behind}; the engine's own queue time does not show it"
+            )
+        } else {
+            format!(
+                "{head}: the engine's frontend — its HTTP / API server, tokenisation or the network before it (no long prefill was in flight beside them)"
+            )
+        }
+    }
+
+    fn remedies(&self, cap: &str) -> Vec<String> {
+        if self.step_blocking {
+            vec![
+                format!("{cap}: a request that arrives during a long prefill then joins at the next chunk instead of after the whole prompt"),
+                "isolate long prompts on their own replica / pool, or give interactive traffic its own priority class".to_owned(),
+            ]
+        } else {
+            vec![
+                "the engine's API server is the bottleneck: more API-server processes (vLLM --api-server-count), a fast tokenizer, or fewer concurrent connections per engine".to_owned(),
+                "check the network between the gateway and the engine (upstream connect / transfer time)".to_owned(),
+            ]
+        }
+    }
 }
 
 /// Who the short requests waited behind, from the records' per-request blame (the gateway's
@@ -1948,6 +2186,110 @@ mod tests {
                     .contains("behind batch-job's (offline) prompts of 8001 tokens"),
             "{}",
             s.summary
+        );
+    }
+
+    /// Issue 22's case as records: short streamed requests whose TTFT is mostly time the engine
+    /// did not account for, beside a long non-streamed prompt.
+    fn unaccounted_case(blamed: bool) -> Vec<RequestRecord> {
+        let mut recs = Vec::new();
+        for i in 0..4usize {
+            let mut long = rec(100 + i, i as i64 * 3000, 1503, 0.0);
+            long.ttft_ms = None;
+            long.stream = false;
+            long.user_id = Some("batch-job".into());
+            long.queue_duration_ms = Some(0.04);
+            long.prefill_duration_ms = Some(901.0);
+            long.total_duration_ms = 1000.0;
+            recs.push(long);
+            let mut short = rec(i, i as i64 * 3000 + 400, 3, 573.0);
+            short.queue_duration_ms = Some(0.014);
+            short.queue_source = tokenscope_core::PhaseSource::Engine;
+            short.prefill_duration_ms = Some(82.0);
+            short.prefill_source = tokenscope_core::PhaseSource::Engine;
+            short.decode_source = tokenscope_core::PhaseSource::Engine;
+            short.gateway_overhead_ms = Some(0.3);
+            if blamed {
+                short.blocked_by_requests = Some(1);
+                short.blocked_ms = Some(480.0);
+                short.blocker_request_id = Some(format!("r{:05}", 100 + i));
+                short.blocker_caller = Some("batch-job".into());
+                short.blocker_business_line = Some("offline".into());
+                short.blocker_prompt_tokens = Some(1503);
+            } else {
+                short.blocked_by_requests = Some(0);
+                short.blocked_ms = Some(0.0);
+            }
+            short.split_times();
+            recs.push(short);
+        }
+        recs
+    }
+
+    #[test]
+    fn a_ttft_the_engine_did_not_account_for_is_its_own_verdict() {
+        // Behind a long prefill: step blocking, naming the long request's caller.
+        let recs = unaccounted_case(true);
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        assert!(s.findings.contains(&"unaccounted_wait".to_owned()), "{s:?}");
+        let u = &s.evidence["unaccounted"];
+        assert_eq!(u["cause"], json!("step_blocking"));
+        assert_eq!(u["candidates"], json!(4));
+        assert_eq!(u["blocker_caller"], json!("batch-job"));
+        assert_eq!(u["blocker_request_id"], json!("r00100"));
+        let want = 573.0 - 0.3 - 0.014 - 82.0;
+        assert!((u["candidates_unaccounted_ms_p50"].as_f64().unwrap_or(0.0) - want).abs() < 1e-3);
+        assert!(
+            s.summary.contains("step blocking")
+                && s.summary.contains("behind batch-job's (offline) prompt of 1503 tokens"),
+            "{}",
+            s.summary
+        );
+        assert_eq!(r.conclusion.step.as_deref(), Some("ttft"));
+        assert!(s.remedies.iter().any(|m| m.contains("chunked prefill")));
+        // Nobody in flight beside them: the engine's frontend.
+        let r = diagnose(&unaccounted_case(false), W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        assert!(s.findings.contains(&"unaccounted_wait".to_owned()));
+        assert_eq!(s.evidence["unaccounted"]["cause"], json!("frontend"));
+        assert!(s.summary.contains("the engine's frontend"), "{}", s.summary);
+        // The engine said requests were waiting: its own (unreported) queue, not this finding.
+        let mut recs = unaccounted_case(false);
+        for r in &mut recs {
+            r.engine_waiting = Some(3.0);
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        assert!(!s.findings.contains(&"unaccounted_wait".to_owned()), "{s:?}");
+        assert_eq!(s.evidence["unaccounted"]["dominated_engine_waiting"], json!(4));
+        // Small unaccounted times (an idle engine's tokenisation and HTTP) are no verdict.
+        let mut recs: Vec<_> = (0..30).map(|i| rec(i, i as i64 * 500, 20, 30.0)).collect();
+        for r in &mut recs {
+            r.prefill_duration_ms = Some(18.0);
+            r.prefill_source = tokenscope_core::PhaseSource::Engine;
+            r.split_times();
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        assert_eq!(r.conclusion.verdict, "healthy", "{:?}", r.conclusion);
+    }
+
+    #[test]
+    fn engine_numbers_above_the_gateways_are_out_of_the_shares() {
+        let mut recs: Vec<_> = (0..20).map(|i| rec(i, i as i64 * 500, 20, 100.0)).collect();
+        for r in recs.iter_mut().take(10) {
+            r.queue_duration_ms = Some(5000.0);
+            r.engine_timing = Some("exceeds_gateway".into());
+        }
+        for r in recs.iter_mut().skip(10).take(4) {
+            r.engine_timing = Some("per_step".into());
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        assert_eq!(s.evidence["queue_share"], json!(0.0), "{s:?}");
+        assert_eq!(
+            s.evidence["engine_timing"],
+            json!({"exceeds_gateway": 10, "per_step": 4})
         );
     }
 

@@ -47,6 +47,16 @@ pub struct DiagnoseArgs {
     /// llama.cpp -np). Without it the largest batch seen in the window stands in.
     #[arg(long)]
     pub max_batch: Option<f64>,
+    /// A request's TTFT is dominated by time the engine did not account for when that time is
+    /// at least this share of it (0–1)…
+    #[arg(long, default_value_t = 0.5)]
+    pub unaccounted_share: f64,
+    /// …and at least this long.
+    #[arg(long, default_value = "100ms")]
+    pub unaccounted_min: String,
+    /// Fewest such requests for the `unaccounted_wait` finding.
+    #[arg(long, default_value_t = 3)]
+    pub unaccounted_min_requests: usize,
     /// P99 gateway overhead above this is a problem.
     #[arg(long, default_value = "50ms")]
     pub gateway_overhead_p99: String,
@@ -83,6 +93,9 @@ pub fn run(args: DiagnoseArgs) -> Result<()> {
         max_batch: args.max_batch,
         gateway_overhead_p99_ms: ms(&args.gateway_overhead_p99, "--gateway-overhead-p99")?,
         network_p99_ms: ms(&args.network_p99, "--network-p99")?,
+        unaccounted_share: args.unaccounted_share,
+        unaccounted_min_ms: ms(&args.unaccounted_min, "--unaccounted-min")?,
+        unaccounted_min_requests: args.unaccounted_min_requests,
         ..DiagnoseOptions::default()
     };
     let input = Input::load(&args.common)?;

@@ -916,9 +916,9 @@ impl Unaccounted {
         );
         if self.step_blocking {
             let behind = match &self.blocker {
-                Some((caller, line, id, tokens)) => format!(
-                    ", behind {caller}'s ({line}) prompt of {tokens} tokens (request {id})"
-                ),
+                Some((caller, line, id, tokens)) => {
+                    format!(", behind {caller}'s ({line}) prompt of {tokens} tokens (request {id})")
+                }
                 None => String::new(),
             };
             format!(
@@ -2242,7 +2242,8 @@ mod tests {
         assert!((u["candidates_unaccounted_ms_p50"].as_f64().unwrap_or(0.0) - want).abs() < 1e-3);
         assert!(
             s.summary.contains("step blocking")
-                && s.summary.contains("behind batch-job's (offline) prompt of 1503 tokens"),
+                && s.summary
+                    .contains("behind batch-job's (offline) prompt of 1503 tokens"),
             "{}",
             s.summary
         );
@@ -2261,8 +2262,14 @@ mod tests {
         }
         let r = diagnose(&recs, W, &DiagnoseOptions::default());
         let s = step(&r, "ttft");
-        assert!(!s.findings.contains(&"unaccounted_wait".to_owned()), "{s:?}");
-        assert_eq!(s.evidence["unaccounted"]["dominated_engine_waiting"], json!(4));
+        assert!(
+            !s.findings.contains(&"unaccounted_wait".to_owned()),
+            "{s:?}"
+        );
+        assert_eq!(
+            s.evidence["unaccounted"]["dominated_engine_waiting"],
+            json!(4)
+        );
         // Small unaccounted times (an idle engine's tokenisation and HTTP) are no verdict.
         let mut recs: Vec<_> = (0..30).map(|i| rec(i, i as i64 * 500, 20, 30.0)).collect();
         for r in &mut recs {

@@ -742,3 +742,120 @@ async fn vllm_kv_cache_too_small_is_named() {
         "{text}"
     );
 }
+
+/// Issue 22 on the real vLLM (`--enable-per-request-metrics`, default scheduler): the issue's
+/// case — a 1,500-token prompt not streamed and, while its prefill runs as one engine step, a
+/// two-word streamed one. vLLM's engine core takes new requests only between steps, so the
+/// short request's own `queue_time_ms` is ~0 and its `time_to_first_token_ms` is its own
+/// step: the wait behind the long step is nowhere in vLLM's numbers. The record shows it as
+/// unaccounted-by-engine time, the parts sum to the TTFT within 1 ms, and `diagnose` names
+/// the long request's caller.
+///
+/// Then per-step values: six identical requests sent at once are scheduled in one step, and
+/// vLLM stamps scheduled / first token / last token once per step, so requests of that step
+/// get bit-identical `time_to_first_token_ms` and `generation_time_ms` (seen by the client
+/// itself). Every record whose values the client saw shared with another request of its burst
+/// is `engine_timing = per_step` — the earlier ones too, by the gateway's late update — and
+/// every other one `consistent`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_a_short_request_behind_a_long_step_shows_the_unaccounted_wait() {
+    let _one = vllm::exclusive().await;
+    let Some(engine) = vllm::start(vllm::Options {
+        args: &["--enable-per-request-metrics"],
+        ..Default::default()
+    })
+    .await
+    else {
+        return;
+    };
+    let (gw, _cfg) = gateway(&engine.url());
+    let t0 = unix_s();
+    let cases = short_behind_long(&gw.url("/v1/completions"), vllm::MODEL, 1500, 4).await;
+    let t1 = unix_s();
+    // Per-step values: bursts of six identical requests, until one burst has shared values.
+    let mut bursts: Vec<Vec<Exchange>> = Vec::new();
+    for round in 0..6 {
+        let prompt = prose(30, &format!("burst {round}"));
+        let tasks: Vec<_> = (0..6)
+            .map(|_| {
+                let (url, body) = (gw.url("/v1/completions"), completion(&prompt, 8, false));
+                tokio::spawn(async move { exchange(url, body).await })
+            })
+            .collect();
+        let mut burst = Vec::new();
+        for t in tasks {
+            burst.push(t.await.expect("task"));
+        }
+        let shared = shared_values(&burst).iter().any(|g| g.len() >= 2);
+        bursts.push(burst);
+        if shared {
+            break;
+        }
+    }
+    for c in &cases {
+        gw.record(&c.short.request_id()).await;
+        gw.record(&c.long_id).await;
+    }
+    for x in bursts.iter().flatten() {
+        gw.record(&x.request_id).await;
+    }
+    let (db, _dir) = gw.stop();
+    let rows = store_table(&db);
+    let (r, text) = diagnose(&db.to_string_lossy(), t0, t1, &[]);
+    let lines = assert_unaccounted_wait(&rows, &cases, &r, &text);
+    let mut wrong = Vec::new();
+    let mut per_step = 0;
+    for burst in &bursts {
+        for group in shared_values(burst) {
+            let want = if group.len() >= 2 {
+                "per_step"
+            } else {
+                "consistent"
+            };
+            for x in group {
+                let row = row_of(&rows, &x.request_id);
+                if row["engine_timing"] != want {
+                    wrong.push(format!(
+                        "{}: engine_timing {} (client saw metrics {} shared by {} of its burst)",
+                        x.request_id,
+                        row["engine_timing"],
+                        x.metrics,
+                        shared_values(burst)
+                            .iter()
+                            .find(|g| g.iter().any(|y| y.request_id == x.request_id))
+                            .map_or(0, |g| g.len())
+                    ));
+                }
+                per_step += usize::from(want == "per_step");
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{wrong:#?}");
+    assert!(
+        per_step >= 2,
+        "no burst of six identical requests shared a vLLM step in {} tries",
+        bursts.len()
+    );
+    eprintln!(
+        "vLLM, issue 22's case:\n{}\n{per_step} requests with per-step values in {} bursts\n{text}",
+        lines.join("\n"),
+        bursts.len()
+    );
+}
+
+/// A burst's exchanges grouped by the vLLM `time_to_first_token_ms` and `generation_time_ms`
+/// the client received, bit for bit.
+fn shared_values(burst: &[Exchange]) -> Vec<Vec<&Exchange>> {
+    let mut groups: Vec<((u64, u64), Vec<&Exchange>)> = Vec::new();
+    for x in burst {
+        let key = (
+            f(&x.metrics["time_to_first_token_ms"]).to_bits(),
+            f(&x.metrics["generation_time_ms"]).to_bits(),
+        );
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, g)) => g.push(x),
+            None => groups.push((key, vec![x])),
+        }
+    }
+    groups.into_iter().map(|(_, g)| g).collect()
+}

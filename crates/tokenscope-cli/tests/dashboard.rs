@@ -310,6 +310,19 @@ usd = 0.001
             r.input_tokens.unwrap_or(0) as f64 * 3e-6 + r.output_tokens.unwrap_or(0) as f64 * 15e-6
         })
         .sum();
+    // The TTFT split (issue 22): the mean part the engine did not account for is the mean of
+    // the stored records' own values.
+    let un: Vec<f64> = records
+        .iter()
+        .filter_map(|r| r.ttft_unaccounted_ms)
+        .collect();
+    assert!(!un.is_empty(), "no record has a TTFT split");
+    let want = un.iter().sum::<f64>() / un.len() as f64;
+    let got = p["split"]["unaccounted_ms"].as_f64().expect("unaccounted");
+    assert!(
+        (got - want).abs() < 1e-6,
+        "unaccounted mean {got} vs {want}"
+    );
     let shown = c["totals"]["cost_usd"].as_f64().expect("cost");
     assert!((shown - priced).abs() < 1e-12, "{shown} vs {priced}");
     assert!(priced > 0.0);

@@ -251,6 +251,23 @@ def main():
             if not ok:
                 fail(f"blame cell {text!r} does not say {b!r}")
         report["blame_cells"] = {"rows": len(cells), "behind_someone": measured}
+        # The TTFT split (issue 22): the part the engine did not account for is a number of
+        # the page (compare_page checks it), and each row says whose engine numbers they are.
+        words = {"consistent": "own", "per_step": "per step (shared)",
+                 "exceeds_gateway": "above the gateway's", None: "–"}
+        timing = driver.find_elements(By.CSS_SELECTOR, "#slowest td.engine-timing")
+        unacc = driver.find_elements(By.CSS_SELECTOR, "#slowest td.unaccounted")
+        if len(timing) != len(dp["slowest"]) or len(unacc) != len(dp["slowest"]):
+            fail(f"{len(timing)} engine-timing / {len(unacc)} unaccounted cells for {len(dp['slowest'])} rows")
+        split = 0
+        for t, u, r in zip(timing, unacc, dp["slowest"]):
+            if t.text != words.get(r.get("engine_timing"), "?"):
+                fail(f"engine-timing cell {t.text!r} for {r.get('engine_timing')!r}")
+            if r.get("ttft_unaccounted_ms") is not None:
+                split += 1
+                if u.text in ("", "–"):
+                    fail(f"unaccounted cell empty for {r['ttft_unaccounted_ms']}")
+        report["split_cells"] = {"rows": len(timing), "with_split": split}
         # The GPU panel: one row per GPU the gateway read (the test's DCGM exporter has two),
         # and latency by GPU utilisation band at arrival.
         gpu_rows = driver.find_elements(By.CSS_SELECTOR, "#gpu-now tr")

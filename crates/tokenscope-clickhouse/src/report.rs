@@ -49,13 +49,14 @@ use tokenscope_store::{ErrorClass, StoreError};
 use crate::{ClickHouseError, ClickHouseStore};
 
 /// The metric columns of a report, in [`GroupAgg`] order.
-const METRIC_COLUMNS: [&str; 6] = [
+const METRIC_COLUMNS: [&str; 7] = [
     "ttft_ms",
     "tpot_ms",
     "total_duration_ms",
     "queue_duration_ms",
     "prefill_duration_ms",
     "decode_duration_ms",
+    "ttft_unaccounted_ms",
 ];
 
 /// `quantilesExact` levels giving the nearest-rank P50, P90, P95, P99 (see the module docs).
@@ -242,6 +243,7 @@ pub fn decode_group(line: &[u8], q: &ReportQuery) -> Result<GroupAgg, String> {
         queue: next(),
         prefill: next(),
         decode: next(),
+        unaccounted: next(),
         share_n,
         share_queue_units,
         share_ttft_units,

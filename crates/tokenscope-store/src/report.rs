@@ -62,9 +62,13 @@
 //! `input_tokens`, `output_tokens`, `cached_tokens`, then (appended in schema v2, so the
 //! earlier columns keep their positions) the same six fields for each of `queue`,
 //! `prefill`, `decode` (`queue_n`, `queue_p50_ms`, …, `decode_mean_ms`), then
-//! `queue_share_of_ttft` (a fraction, 0–1). The table (comfy-table) shows a human-sized
+//! `queue_share_of_ttft` (a fraction, 0–1), then (appended in schema v10) the six fields of
+//! `unaccounted` — the part of TTFT the engine did not account for (`ttft_unaccounted_ms`,
+//! `RequestRecord::split_times`: TTFT = gateway + unaccounted + the engine's reported queue +
+//! prefill; rows without a split are left out). The table (comfy-table) shows a human-sized
 //! subset: P50/P95/P99 of TTFT, TPOT and end-to-end, and — only when some row has a phase
-//! value — P50/P99 of queue, prefill and decode and the queue share of TTFT in percent.
+//! value — P50/P99 of queue, prefill and decode, the queue share of TTFT in percent and P50/P99
+//! of the time not seen by the engine (`unaccounted`).
 //!
 //! ## Other stores
 //!
@@ -274,6 +278,8 @@ pub struct ReportRow {
     pub prefill: Quantiles,
     /// Engine decode time (`decode_duration_ms`).
     pub decode: Quantiles,
+    /// The part of TTFT the engine did not account for (`ttft_unaccounted_ms`).
+    pub unaccounted: Quantiles,
     /// `Σ queue_ms / Σ ttft_ms` over the rows having both (see the module docs); `None`
     /// without such rows.
     pub queue_share_of_ttft: Option<f64>,
@@ -548,13 +554,14 @@ impl Interner {
 }
 
 /// The per-row metrics kept for quantiles, in [`Acc::values`] order.
-const METRICS: usize = 6;
+const METRICS: usize = 7;
 const M_TTFT: usize = 0;
 const M_TPOT: usize = 1;
 const M_E2E: usize = 2;
 const M_QUEUE: usize = 3;
 const M_PREFILL: usize = 4;
 const M_DECODE: usize = 5;
+const M_UNACCOUNTED: usize = 6;
 
 #[derive(Default)]
 struct Acc {
@@ -679,7 +686,8 @@ pub fn filter_value(dim: Dimension, raw: &str) -> Result<FilterValue, StoreError
 /// covering `idx_log_created_at`), and the filters. Column order: 0 the success class
 /// ([`SQL_CLASS`]: an integer, cheaper per row than reading the text), 1 ttft,
 /// 2 tpot, 3 total, 4 input, 5 output, 6 cached, 7 queue, 8 prefill, 9 decode,
-/// [10 created_at, only with an interval], then the group dimensions from the returned offset
+/// 10 ttft_unaccounted, [11 created_at, only with an interval], then the group dimensions from
+/// the returned offset
 /// on.
 fn report_sql(
     q: &ReportQuery,
@@ -688,9 +696,10 @@ fn report_sql(
 ) -> Result<(String, Vec<rusqlite::types::Value>, usize), StoreError> {
     let mut sql = format!(
         "SELECT {SQL_CLASS}, ttft_ms, tpot_ms, total_duration_ms, input_tokens, output_tokens, \
-         cached_tokens, queue_duration_ms, prefill_duration_ms, decode_duration_ms",
+         cached_tokens, queue_duration_ms, prefill_duration_ms, decode_duration_ms, \
+         ttft_unaccounted_ms",
     );
-    let mut fixed = 10;
+    let mut fixed = 11;
     if q.interval.is_some() {
         sql.push_str(", created_at");
         fixed += 1;
@@ -797,7 +806,7 @@ fn scan(
     let mut rows = stmt.query(rusqlite::params_from_iter(params))?;
     let mut scanner = Scanner::new(q)?;
     scanner.partial.values_left = budget;
-    // At most 11 fixed columns + every dimension once.
+    // At most 12 fixed columns + every dimension once.
     const MAX_COLS: usize = 11 + Dimension::ALL.len();
     let ncols = ncols.min(MAX_COLS);
     while let Some(row) = rows.next()? {
@@ -841,7 +850,8 @@ pub enum ColKind {
 
 /// Accumulates report rows from any store. Build it from the query, [`push`](Scanner::push)
 /// each row of the report SELECT (columns: the success class 0/1/2, ttft, tpot, total,
-/// input, output, cached, queue, prefill, decode, [`created_at` µs only with an interval],
+/// input, output, cached, queue, prefill, decode, ttft_unaccounted, [`created_at` µs only with
+/// an interval],
 /// then one column per `group_by` dimension — the columns of every store's report SELECT), then
 /// [`finish`](Scanner::finish). Rows must already satisfy the query's range and filters.
 pub struct Scanner {
@@ -861,7 +871,7 @@ impl Scanner {
         let ndims = q.group_by.len();
         Ok(Self {
             interval_us: interval_us(q),
-            fixed: if q.interval.is_some() { 11 } else { 10 },
+            fixed: if q.interval.is_some() { 12 } else { 11 },
             dims: q.group_by.clone(),
             index: FxMap::default(),
             key: Vec::with_capacity(ndims + 1),
@@ -884,7 +894,7 @@ impl Scanner {
         self.key.clear();
         let bucket = match self.interval_us {
             Some(iv) => {
-                let at = match row[10] {
+                let at = match row[11] {
                     ScanValue::Int(at) => at,
                     _ => 0,
                 };
@@ -929,6 +939,7 @@ impl Scanner {
             (M_QUEUE, queue),
             (M_PREFILL, real(row[8])),
             (M_DECODE, real(row[9])),
+            (M_UNACCOUNTED, real(row[10])),
         ] {
             if let Some(x) = x {
                 v[slot] = x;
@@ -1082,6 +1093,7 @@ fn finish(
                 queue: qs[M_QUEUE],
                 prefill: qs[M_PREFILL],
                 decode: qs[M_DECODE],
+                unaccounted: qs[M_UNACCOUNTED],
                 share_n: a.share_n,
                 share_queue_units: a.share_queue_ms.0,
                 share_ttft_units: a.share_ttft_ms.0,
@@ -1102,6 +1114,7 @@ const METRIC_COLUMNS: [&str; METRICS] = [
     "queue_duration_ms",
     "prefill_duration_ms",
     "decode_duration_ms",
+    "ttft_unaccounted_ms",
 ];
 
 /// Per group, per metric: the values at the nearest ranks of P50, P90, P95, P99.
@@ -1264,6 +1277,8 @@ pub struct GroupAgg {
     pub prefill: Quantiles,
     /// Engine decode.
     pub decode: Quantiles,
+    /// The part of TTFT the engine did not account for.
+    pub unaccounted: Quantiles,
     /// Rows having both a queue time and a TTFT.
     pub share_n: u64,
     /// Σ over those rows of [`exact_sum_units`] of the queue time.
@@ -1352,6 +1367,7 @@ pub fn finish_groups(q: &ReportQuery, groups: Vec<GroupAgg>, now_us: i64) -> Vec
                 queue: a.queue,
                 prefill: a.prefill,
                 decode: a.decode,
+                unaccounted: a.unaccounted,
                 queue_share_of_ttft: queue_share(
                     a.share_n,
                     ExactSum(a.share_queue_units).value(),
@@ -1436,6 +1452,7 @@ fn flat_header(q: &ReportQuery) -> Vec<String> {
         h.extend(METRIC_FIELDS.iter().map(|f| format!("{m}_{f}")));
     }
     h.push("queue_share_of_ttft".to_owned());
+    h.extend(METRIC_FIELDS.iter().map(|f| format!("unaccounted_{f}")));
     h
 }
 
@@ -1487,6 +1504,7 @@ impl ReportRow {
             "queue_share_of_ttft".to_owned(),
             Field::Num(self.queue_share_of_ttft),
         ));
+        push_quantiles(&mut f, "unaccounted", &self.unaccounted);
         f
     }
 }
@@ -1591,6 +1609,8 @@ pub fn render(rows: &[ReportRow], q: &ReportQuery, format: Format) -> String {
                         "decode p50 (ms)",
                         "decode p99 (ms)",
                         "queue % ttft",
+                        "not seen by engine p50 (ms)",
+                        "not seen by engine p99 (ms)",
                     ]
                     .map(str::to_owned),
                 );
@@ -1626,6 +1646,8 @@ pub fn render(rows: &[ReportRow], q: &ReportQuery, format: Format) -> String {
                         r.queue_share_of_ttft
                             .map_or_else(|| "-".to_owned(), |x| format!("{:.1}", x * 100.0)),
                     );
+                    cells.push(fmt_ms(r.unaccounted.p50));
+                    cells.push(fmt_ms(r.unaccounted.p99));
                 }
                 cells.push(r.input_tokens.to_string());
                 cells.push(r.output_tokens.to_string());
@@ -2128,6 +2150,7 @@ mod tests {
                             &mut x.queue,
                             &mut x.prefill,
                             &mut x.decode,
+                            &mut x.unaccounted,
                         ] {
                             m.mean = m.mean.map(|v| (v * 1e6).round());
                         }
@@ -2222,6 +2245,11 @@ mod tests {
                 // GPU utilisation at arrival mirrors KV usage in this fixture.
                 r.gpu_utilization = *kv;
                 r.engine = engine.map(str::to_owned);
+                // The part of TTFT not in the engine's queue + prefill: 10, 10, 55.
+                r.ttft_unaccounted_ms = match (ttft, prefill) {
+                    (Some(t), Some(p)) => Some(t - queue.unwrap_or(0.0) - p),
+                    _ => None,
+                };
                 r
             })
             .collect();
@@ -2247,6 +2275,12 @@ mod tests {
         assert_eq!((r.decode.p50, r.decode.p99), (Some(1000.0), Some(3000.0)));
         // Share over rows with both queue and TTFT (1, 2, 5): (10+150+30) / (100+300+50).
         assert_eq!(r.queue_share_of_ttft, Some(190.0 / 450.0));
+        // Not seen by the engine: 10, 10, 55.
+        assert_eq!(r.unaccounted.n, 3);
+        assert_eq!(
+            (r.unaccounted.p50, r.unaccounted.p99, r.unaccounted.mean),
+            (Some(10.0), Some(55.0), Some(25.0))
+        );
     }
 
     #[test]
@@ -2473,7 +2507,7 @@ mod tests {
         let csv = render(&rows, &query, Format::Csv);
         let header: Vec<&str> = csv.lines().next().expect("header").split(',').collect();
         // New fields are appended after the v1 ones, which keep their positions.
-        let tail: Vec<&str> = header[header.len() - 19..].to_vec();
+        let tail: Vec<&str> = header[header.len() - 25..header.len() - 6].to_vec();
         assert_eq!(
             tail,
             [
@@ -2498,12 +2532,15 @@ mod tests {
                 "queue_share_of_ttft",
             ]
         );
-        assert_eq!(header[header.len() - 20], "cached_tokens");
+        assert_eq!(header[header.len() - 26], "cached_tokens");
+        // Appended in v10: the part of TTFT the engine did not account for.
+        assert_eq!(header[header.len() - 6], "unaccounted_n");
+        assert_eq!(header[header.len() - 1], "unaccounted_mean_ms");
         let vllm_line = csv
             .lines()
             .find(|l| l.starts_with("vllm,"))
             .expect("vllm row");
-        assert!(vllm_line.ends_with(",0.4"), "{vllm_line}");
+        assert!(vllm_line.ends_with(",0.4,2,10,10,10,10,10"), "{vllm_line}");
         let table = render(&rows, &query, Format::Table);
         for h in [
             "queue p50",

@@ -85,7 +85,8 @@
 //!   written before v9). Readers need v9.
 //! * v10 — columns `ttft_unaccounted_ms REAL`, `e2e_unaccounted_ms REAL` (the parts of TTFT
 //!   and end to end the engine did not account for) and `engine_timing TEXT` (`consistent` /
-//!   `exceeds_gateway`); `NULL` for rows written before v10. Readers need v10.
+//!   `per_step` / `exceeds_gateway`); `NULL` for rows written before v10. Readers need v10.
+//! * v11 — `idx_log_created_at` rebuilt with `ttft_unaccounted_ms` (every report reads it).
 //!
 //! Indexes: the primary key (`request_id`: idempotent inserts, [`SqliteStore::get`]) and
 //! `idx_log_created_at`, led by `created_at` and carrying every column a
@@ -344,6 +345,17 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE llm_inference_log ADD COLUMN ttft_unaccounted_ms REAL;
     ALTER TABLE llm_inference_log ADD COLUMN e2e_unaccounted_ms REAL;
     ALTER TABLE llm_inference_log ADD COLUMN engine_timing TEXT;",
+    // v11: the covering time index is rebuilt with `ttft_unaccounted_ms`, which every report
+    // reads (its `unaccounted` quantiles): without it each report would read the wide table
+    // rows. Rebuilding scans the table once, at the first start of this version.
+    "DROP INDEX idx_log_created_at;
+    CREATE INDEX idx_log_created_at ON llm_inference_log (
+        created_at, outcome, ttft_ms, tpot_ms, total_duration_ms,
+        input_tokens, output_tokens, cached_tokens,
+        queue_duration_ms, prefill_duration_ms, decode_duration_ms,
+        model, input_bucket, user_id, tenant, business_line, request_type,
+        endpoint, upstream, stream, engine, engine_kv_usage, ttft_unaccounted_ms
+    );",
 ];
 
 /// The schema version this build writes and understands.
@@ -1722,10 +1734,11 @@ pub(crate) mod tests {
             "decode_duration_ms",
             "engine",
             "engine_kv_usage",
+            "ttft_unaccounted_ms",
         ] {
             assert!(cols.iter().any(|x| x == c), "{c} missing from {cols:?}");
         }
-        assert_eq!(cols.len(), 22);
+        assert_eq!(cols.len(), 23);
         assert_v4_indexes(store.conn());
         // A late update reaches the migrated row.
         store

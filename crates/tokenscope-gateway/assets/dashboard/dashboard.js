@@ -138,12 +138,22 @@
     return s;
   }
 
+  // The record's engine_timing in words.
+  function engineTimingText(t) {
+    if (t === "consistent") return "own";
+    if (t === "per_step") return "per step (shared)";
+    if (t === "exceeds_gateway") return "above the gateway's";
+    return "–";
+  }
+
   function slowTable(data, key, st) {
     const rows = get(data, key) || [];
     const t = el("table", { id: "slowest" }, el("tr", {},
       el("th", {}, "request"), el("th", {}, "start"), el("th", {}, "model"), el("th", {}, "outcome"),
       el("th", {}, "in"), el("th", {}, "out"), el("th", {}, "e2e"), el("th", {}, "TTFT"),
+      el("th", { title: "part of TTFT the engine did not account for: network, its HTTP front end, tokenisation, waiting for its current step (TTFT = gateway + this + engine queue + prefill)" }, "not seen by engine"),
       el("th", {}, "queue"), el("th", {}, "prefill"), el("th", {}, "decode"),
+      el("th", { title: "whether the engine's queue / prefill / decode are this request's own numbers" }, "engine numbers"),
       el("th", { title: "requests in prefill on its replica while it waited; the largest of them" }, "waited behind"),
       el("th", {}, "trace")));
     rows.forEach((r, i) => {
@@ -156,8 +166,12 @@
         el("td", {}, r.request_id.slice(0, 13)), el("td", {}, fmtTime(r.created_at)), el("td", {}, r.model), el("td", {}, r.outcome),
         el("td", {}, num(data, k + ".input_tokens", "int")), el("td", {}, num(data, k + ".output_tokens", "int")),
         el("td", {}, num(data, k + ".total_ms", "ms")), el("td", {}, num(data, k + ".ttft_ms", "ms")),
-        el("td", {}, num(data, k + ".queue_ms", "ms")), el("td", {}, num(data, k + ".prefill_ms", "ms")),
-        el("td", {}, num(data, k + ".decode_ms", "ms")), el("td", { class: "blame" }, blameText(r.blame)), el("td", {}, trace));
+        el("td", { class: "unaccounted" }, num(data, k + ".ttft_unaccounted_ms", "ms")),
+        el("td", r.queue_source === "derived" ? { class: "derived", title: "derived by the gateway (TTFT − prefill): the engine reports no queue time" } : {},
+          num(data, k + ".queue_ms", "ms")),
+        el("td", {}, num(data, k + ".prefill_ms", "ms")),
+        el("td", {}, num(data, k + ".decode_ms", "ms")), el("td", { class: "engine-timing" }, engineTimingText(r.engine_timing)),
+        el("td", { class: "blame" }, blameText(r.blame)), el("td", {}, trace));
       tr.addEventListener("click", (ev) => { if (ev.target.tagName !== "A") drillTo(r.created_at, st); });
       t.append(tr);
     });
@@ -207,6 +221,7 @@
     main.append(el("h2", {}, "Range ", d.range, st.until ? " ending " + fmtTime(d.until) : ""));
     main.append(el("div", { class: "tiles" },
       tile("requests", d, "requests", "int"),
+      tile("mean not seen by engine", d, "split.unaccounted_ms", "ms"),
       tile("mean queue", d, "split.queue_ms", "ms"),
       tile("mean prefill", d, "split.prefill_ms", "ms"),
       tile("mean decode", d, "split.decode_ms", "ms"),

@@ -260,6 +260,17 @@ pub struct SlowRequest {
     pub prefill_ms: Option<f64>,
     /// Decode, ms.
     pub decode_ms: Option<f64>,
+    /// Where the queue time comes from: `engine`, `engine_span`, `derived` (the gateway's
+    /// TTFT − prefill: not an engine number) or `none`.
+    pub queue_source: &'static str,
+    /// The part of TTFT the engine did not account for, ms (`ttft_unaccounted_ms`: TTFT =
+    /// gateway + this + the engine's reported queue + prefill).
+    pub ttft_unaccounted_ms: Option<f64>,
+    /// The gateway's own part of TTFT, ms.
+    pub gateway_ms: Option<f64>,
+    /// Whether the engine's numbers are this request's: `consistent`, `per_step` (shared by
+    /// the requests of one engine step), `exceeds_gateway`; `None` without engine numbers.
+    pub engine_timing: Option<String>,
     /// W3C trace id.
     pub trace_id: String,
     /// Whether the tail sampler kept (exported) this request's trace; `None` = not known
@@ -366,6 +377,10 @@ fn slow_request(r: &RequestRecord, links: &TraceLinks<'_>) -> SlowRequest {
         queue_ms: r.queue_duration_ms,
         prefill_ms: r.prefill_duration_ms,
         decode_ms: r.decode_duration_ms,
+        queue_source: r.queue_source.as_str(),
+        ttft_unaccounted_ms: r.ttft_unaccounted_ms,
+        gateway_ms: r.gateway_overhead_ms,
+        engine_timing: r.engine_timing.clone(),
         trace_id: r.trace_id.clone(),
         trace_kept: kept,
         trace_url: match (kept, links.url_template) {
@@ -660,6 +675,8 @@ pub struct PhaseSplit {
     pub decode_ms: Option<f64>,
     /// Mean end to end.
     pub e2e_ms: Option<f64>,
+    /// Mean part of TTFT the engine did not account for (`ttft_unaccounted_ms`).
+    pub unaccounted_ms: Option<f64>,
 }
 
 const NO_SPLIT: PhaseSplit = PhaseSplit {
@@ -667,6 +684,7 @@ const NO_SPLIT: PhaseSplit = PhaseSplit {
     prefill_ms: None,
     decode_ms: None,
     e2e_ms: None,
+    unaccounted_ms: None,
 };
 
 fn split(r: Option<&ReportRow>) -> PhaseSplit {
@@ -675,6 +693,7 @@ fn split(r: Option<&ReportRow>) -> PhaseSplit {
         prefill_ms: r.prefill.mean,
         decode_ms: r.decode.mean,
         e2e_ms: r.e2e.mean,
+        unaccounted_ms: r.unaccounted.mean,
     })
 }
 

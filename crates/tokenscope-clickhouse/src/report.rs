@@ -608,6 +608,8 @@ mod tests {
         for _ in 0..4 {
             f.extend(["1", "[7,7,7,7]", "7", "0"]);
         }
+        // unaccounted: one value, 3.
+        f.extend(["1", "[3,3,3,3]", "3", "0"]);
         f.extend(["1", "7", "0", "1", "2147483648"]);
         f.extend(["10", "20", "\\N"]);
         let g = decode_group(&line(&f), &q).expect("decode");
@@ -627,6 +629,7 @@ mod tests {
         assert_eq!(g.ttft.mean, Some(2.0));
         assert_eq!(g.tpot, Quantiles::default());
         assert_eq!(g.e2e.mean, Some(7.0));
+        assert_eq!((g.unaccounted.n, g.unaccounted.p99), (1, Some(3.0)));
         assert_eq!(g.share_n, 1);
         assert_eq!(g.share_ttft_units, (1 << 32) + (1 << 31));
         assert_eq!(

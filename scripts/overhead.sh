@@ -48,11 +48,22 @@
 #     mock): samples llm_requests_in_flight and VmRSS every 200 ms; reports the peak;
 #  6. prints a markdown table and writes it to OUT.md.
 #
+# Side by side with nginx (issue 23; NGINX=1, the default): the honest floor for a streaming
+# proxy is a well-tuned one that measures nothing. nginx from Debian (`nginx-light`, installed
+# by this script with apt-get when missing) runs with 1 worker, `proxy_buffering off`,
+# `proxy_request_buffering off`, HTTP/1.1 upstream keepalive (256 idle connections) and no
+# access log, in front of the same fast mock, in the same interleaved rounds; its worker's CPU
+# is read like the gateway's. A traces-off gateway (NOTRACE=1, the default: the same build and
+# config without `--otlp-endpoint`) runs in the same rounds too. The verdict compares each
+# gateway with nginx: added TTFT P50 and P99 and added e2e P99 at or below nginx's, CPU per
+# request at most 0.75x nginx's (pooled over the rounds).
+#
 # Environment: CARGO_TARGET_DIR (default $HOME/.cache/tokenscope/target), TOKENSCOPE_CACHE
 # (default $HOME/.cache/tokenscope), RATE (500), DURATION (4s), WARMUP (10s, each side),
 # TOKENS (100), PAIRS (10, rounds), GW_PRIORITY (-5; 0 = no prioritised gateway),
 # BASE_BIN (a baseline tokenscope binary for the second gateway instead of the prioritised one),
 # TLS (1: the second gateway reaches the mock over HTTPS; wins over BASE_BIN and GW_PRIORITY),
+# NGINX (1: nginx side by side; 0: none), NOTRACE (1: a traces-off gateway too; 0: none),
 # STREAMS (1000), MOCK_TIME_SCALE (0), GW_WORKERS (the gateway's --worker-threads; default:
 # its own default), TOKENSCOPE_BIN (use this binary, no build),
 # KEEP=1 keeps the work directory (bench JSON, logs, spans).
@@ -69,7 +80,9 @@ TOKENS="${TOKENS:-100}"
 PAIRS="${PAIRS:-10}"
 STREAMS="${STREAMS:-1000}"
 MOCK_TIME_SCALE="${MOCK_TIME_SCALE:-0}"
-GW_PRIORITY="${GW_PRIORITY:--5}"
+GW_PRIORITY="${GW_PRIORITY:-0}"
+NGINX="${NGINX:-1}"
+NOTRACE="${NOTRACE:-1}"
 EVENTS_PER_REQ=$((TOKENS + 4))
 # Targets (issue 7).
 T_TTFT_P50_MS=0.2
@@ -84,6 +97,16 @@ if [ ! -x "$PY" ]; then
 fi
 TOOLS="jq curl awk getconf"
 [ "${TLS:-0}" = 1 ] && TOOLS="$TOOLS openssl"
+if [ "$NGINX" = 1 ] && ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
+  SUDO=""; [ "$(id -u)" != 0 ] && SUDO="sudo"
+  echo "overhead.sh: installing nginx-light (Debian) for the side-by-side rounds" >&2
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q nginx-light >/dev/null \
+    || { $SUDO apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q nginx-light >/dev/null; } \
+    || { echo "overhead.sh: could not install nginx (NGINX=0 runs without it)" >&2; exit 1; }
+  # The package starts a server on :80 we do not need.
+  ($SUDO systemctl stop nginx 2>/dev/null || $SUDO service nginx stop 2>/dev/null || true) >/dev/null 2>&1
+fi
+NGINX_BIN="$(command -v nginx || echo /usr/sbin/nginx)"
 for tool in $TOOLS; do
   command -v "$tool" >/dev/null || { echo "overhead.sh: $tool is required" >&2; exit 1; }
 done
@@ -201,10 +224,11 @@ GW_ARGS=()
 start_gateway() {
   local tag=$1 pid ready
   shift
+  local otlp=(--otlp-endpoint "http://127.0.0.1:$OTLP_PORT" --otlp-protocol http --trace-sample-ratio 0.01)
+  [ "${NO_OTLP:-0}" = 1 ] && otlp=()
   TOKENSCOPE_SPOOL__DIR="$WORK/spool-$tag" "${GWBIN:-$BIN}" serve "${GW_ARGS[@]}" "$@" \
     --config "${GWCONF:-$WORK/gateway.toml}" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
-    --store "$WORK/ts-$tag.db" \
-    --otlp-endpoint "http://127.0.0.1:$OTLP_PORT" --otlp-protocol http --trace-sample-ratio 0.01 \
+    --store "$WORK/ts-$tag.db" "${otlp[@]}" \
     >"$WORK/$tag.out" 2>"$WORK/$tag.err" &
   pid=$!; PIDS+=("$pid")
   ready="$(wait_line "$WORK/$tag.out" '^tokenscope listening proxy=')"
@@ -246,6 +270,54 @@ elif [ "$GW_PRIORITY" != 0 ]; then
   log "prioritised gateway http://$PRIO_PROXY (admin $PRIO_ADMIN): $PRIO_NOTE"
   SIDES="direct gateway prio"
 fi
+if [ "$NOTRACE" = 1 ]; then
+  NO_OTLP=1 start_gateway NT
+  log "traces-off gateway http://$NT_PROXY (admin $NT_ADMIN)"
+  SIDES="$SIDES notrace"
+fi
+if [ "$NGINX" = 1 ]; then
+  NGINX_PORT="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  mkdir -p "$WORK/nginx"
+  cat >"$WORK/nginx/nginx.conf" <<NGINXCONF
+worker_processes 1;
+daemon off;
+pid $WORK/nginx/nginx.pid;
+error_log $WORK/nginx/error.log warn;
+events { worker_connections 16384; }
+http {
+  access_log off;
+  client_body_temp_path $WORK/nginx/body;
+  proxy_temp_path $WORK/nginx/proxy;
+  fastcgi_temp_path $WORK/nginx/fastcgi;
+  uwsgi_temp_path $WORK/nginx/uwsgi;
+  scgi_temp_path $WORK/nginx/scgi;
+  upstream mock { server $MOCK; keepalive 256; }
+  server {
+    listen 127.0.0.1:$NGINX_PORT;
+    location / {
+      proxy_pass http://mock;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+      proxy_read_timeout 600s;
+    }
+  }
+}
+NGINXCONF
+  "$NGINX_BIN" -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" >"$WORK/nginx/out" 2>&1 &
+  NGINX_MASTER=$!; PIDS+=("$NGINX_MASTER")
+  NGINX_PID=""
+  for _ in $(seq 100); do
+    NGINX_PID="$(pgrep -P "$NGINX_MASTER" | head -1 || true)"
+    [ -n "$NGINX_PID" ] && curl -s -o /dev/null "http://127.0.0.1:$NGINX_PORT/v1/models" && break
+    sleep 0.1
+  done
+  [ -n "$NGINX_PID" ] || { echo "overhead.sh: nginx did not start:" >&2; cat "$WORK/nginx/out" "$WORK/nginx/error.log" >&2; exit 1; }
+  NGINX_VERSION="$("$NGINX_BIN" -v 2>&1 | sed 's/^nginx version: //')"
+  log "nginx ($NGINX_VERSION) http://127.0.0.1:$NGINX_PORT, worker pid $NGINX_PID -> mock http://$MOCK"
+  SIDES="$SIDES nginx"
+fi
 sleep 1
 RSS_IDLE_KB="$(status_kb "$GW_PID" VmRSS)"
 
@@ -265,6 +337,8 @@ run_bench() {
     direct) target=$MOCK; gpid=$GW_PID; admin=$ADMIN;;
     gateway) target=$PROXY; gpid=$GW_PID; admin=$ADMIN;;
     prio) target=$PRIO_PROXY; gpid=$PRIO_PID; admin=$PRIO_ADMIN;;
+    notrace) target=$NT_PROXY; gpid=$NT_PID; admin=$NT_ADMIN;;
+    nginx) target=127.0.0.1:$NGINX_PORT; gpid=$NGINX_PID; admin=$ADMIN;;
   esac
   log "bench $name → $target ($RATE req/s, $DURATION)"
   oc0="$(metric_sum "$admin" tokenscope_gateway_overhead_seconds_count)"
@@ -341,7 +415,7 @@ envv() { awk -F= -v k="$2" '$1==k{print $2}' "$WORK/$1.env"; }
 MIB() { awk -v k="$1" 'BEGIN{printf "%.1f", k/1024}'; }
 yes_no() { if [ "$1" = 1 ]; then echo "**met**"; else echo "**not met**"; fi; }
 
-label() { case $1 in direct) echo "mock";; gateway) echo "gateway → mock";; prio) if [ "${TLS:-0}" = 1 ]; then echo "gateway → https mock"; elif [ -n "${BASE_BIN:-}" ]; then echo "baseline gateway → mock"; else echo "gateway (worker_priority $GW_PRIORITY) → mock"; fi;; esac; }
+label() { case $1 in direct) echo "mock";; nginx) echo "nginx → mock";; notrace) echo "gateway, traces off → mock";; gateway) echo "gateway → mock";; prio) if [ "${TLS:-0}" = 1 ]; then echo "gateway → https mock"; elif [ -n "${BASE_BIN:-}" ]; then echo "baseline gateway → mock"; else echo "gateway (worker_priority $GW_PRIORITY) → mock"; fi;; esac; }
 GSIDES="${SIDES#direct }"
 {
   echo "Run $(date -u +%Y-%m-%dT%H:%MZ), $(nproc) CPUs ($(awk -F': ' '/^model name/{print $2; exit}' /proc/cpuinfo)), $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet 2>/dev/null || echo '+dirty'); load average at the end $(cut -d' ' -f1-3 /proc/loadavg)."
@@ -416,6 +490,29 @@ GSIDES="${SIDES#direct }"
     ok=0; awk -v x="${A99[$g]}" -v t="$T_TTFT_P99_MS" 'BEGIN{exit !(x <= t)}' && ok=1
     echo "| added TTFT P99 ≤ $T_TTFT_P99_MS ms | $(label "$g" | sed 's/ → mock//') | $(f3 "${A99[$g]}") ms (pooled) | $(yes_no "$ok") |"
   done
+  if [ "$NGINX" = 1 ]; then
+    echo
+    echo "Against nginx (issue 23: at or below nginx's added TTFT P50 / P99 and e2e P99, at most 0.75× its CPU per request; pooled):"
+    echo
+    echo "| configuration | added TTFT P50 (nginx) | added TTFT P99 (nginx) | added e2e P99 (nginx) | CPU per request (0.75× nginx) | verdict |"
+    echo "|---|---|---|---|---|---|"
+    NE99="$(calc "${P[nginx.e2e_ms.99]} - ${P[direct.e2e_ms.99]}")"
+    CPU_CAP="$(calc "0.75 * ${CPU_US[nginx]}")"
+    for g in $GSIDES; do
+      [ "$g" = nginx ] && continue
+      E99="$(calc "${P[$g.e2e_ms.99]} - ${P[direct.e2e_ms.99]}")"
+      v=""
+      awk -v x="${A50[$g]}" -v t="${A50[nginx]}" 'BEGIN{exit !(x <= t)}' || v="$v TTFT P50,"
+      awk -v x="${A99[$g]}" -v t="${A99[nginx]}" 'BEGIN{exit !(x <= t)}' || v="$v TTFT P99,"
+      awk -v x="$E99" -v t="$NE99" 'BEGIN{exit !(x <= t)}' || v="$v e2e P99,"
+      awk -v x="${CPU_US[$g]}" -v t="$CPU_CAP" 'BEGIN{exit !(x <= t)}' || v="$v CPU,"
+      if [ -z "$v" ]; then v="**met**"; else v="${v# }"; v="**not met** (${v%,})"; fi
+      echo "| $(label "$g" | sed 's/ → mock//') | $(f3 "${A50[$g]}") ($(f3 "${A50[nginx]}")) ms | $(f3 "${A99[$g]}") ($(f3 "${A99[nginx]}")) ms | $(f3 "$E99") ($(f3 "$NE99")) ms | ${CPU_US[$g]} ($(awk -v x="$CPU_CAP" 'BEGIN{printf "%.0f", x}')) µs | $v |"
+    done
+    echo
+    echo "nginx: $NGINX_VERSION, 1 worker, proxy_buffering off, upstream keepalive 256, no access log."
+    echo
+  fi
   echo "| gateway RSS ≤ 64 MB at $STREAMS concurrent streams | gateway | peak $(MIB "$PEAK_RSS_KB") MiB ($(calc "int($PEAK_RSS_KB * 1024 / 1e6 + 0.5)") MB) with $PEAK_RSS_INFLIGHT in flight; $(MIB "$RSS_AT_MAX_KB") MiB at the highest in-flight count sampled, $MAX_INFLIGHT ($(MIB $((RSS_AT_MAX_KB - RSS_AFTER_KB))) MiB above the RSS before the run) | $(yes_no "$OKRSS") |"
   echo
   echo "Gateway RSS: $(MIB "$RSS_IDLE_KB") MiB idle after start, $(MIB "$RSS_AFTER_KB") MiB after the $RATE req/s runs, peak $(MIB "$PEAK_RSS_KB") MiB during the $STREAMS-stream run (VmHWM over the whole process life $(MIB "$HWM_KB") MiB). Streams run: $(jf streams .ok) ok / $(jf streams .failed) failed / $(jf streams .dropped) dropped. Store: $REC_WRITTEN records written, $REC_DROPPED dropped, $REC_LOST lost. Traces: $SPANS_EXPORTED spans exported ($SPANS_DROPPED dropped), $( [ -n "$PRIO_NOTE" ] && echo "$SECOND_NAME: $PRIO_SPANS exported ($PRIO_SPANS_DROPPED dropped); both gateways' spans ")$SPANS_RECEIVED received by the sink.$( [ -n "$PRIO_NOTE" ] && echo " Store of the $SECOND_NAME: $PRIO_WRITTEN records written, $PRIO_DROPPED dropped, $PRIO_LOST lost.")"

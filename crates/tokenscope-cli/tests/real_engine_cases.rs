@@ -17,6 +17,17 @@ use cases::*;
 use common::*;
 use std::time::Duration;
 
+/// A gateway config in `dir` with one llama.cpp upstream at `url` and `extra` upstream lines.
+fn llama_config(dir: &std::path::Path, url: &str, extra: &str) -> std::path::PathBuf {
+    let cfg = dir.join("llama.toml");
+    std::fs::write(
+        &cfg,
+        format!("[[upstreams]]\nname = \"llama\"\nurl = \"{url}\"\nkind = \"llamacpp\"\n{extra}"),
+    )
+    .expect("write config");
+    cfg
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llama_long_prompts_starve_short_ones() {
     let Some(llama) = llama::start(&["-np", "4", "-b", "256", "-ub", "256", "-c", "8192"]).await
@@ -24,16 +35,7 @@ async fn llama_long_prompts_starve_short_ones() {
         return;
     };
     let dir = tempfile::tempdir().expect("tmp");
-    let cfg = dir.path().join("llama.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[[upstreams]]\nname = \"llama\"\nurl = \"{}\"\nkind = \"llamacpp\"\n\
-             scrape_interval_ms = 250\n",
-            llama.url()
-        ),
-    )
-    .expect("write config");
+    let cfg = llama_config(dir.path(), &llama.url(), "scrape_interval_ms = 250\n");
     let gw = GatewayProc::start_with_args(None, &["--config", cfg.to_str().expect("utf8")], &[]);
     let load = HeadOfLine {
         model: "gemma-3-270m",
@@ -221,15 +223,7 @@ async fn llama_a_short_request_behind_a_long_prefill_shows_the_unaccounted_wait(
         return;
     };
     let dir = tempfile::tempdir().expect("tmp");
-    let cfg = dir.path().join("llama.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[[upstreams]]\nname = \"llama\"\nurl = \"{}\"\nkind = \"llamacpp\"\n",
-            llama.url()
-        ),
-    )
-    .expect("write config");
+    let cfg = llama_config(dir.path(), &llama.url(), "");
     let gw = GatewayProc::start_with_args(None, &["--config", cfg.to_str().expect("utf8")], &[]);
     let t0 = unix_s();
     let cases = short_behind_long(&gw.url("/v1/completions"), "gemma-3-270m", 1500, 4).await;

@@ -20,7 +20,7 @@
 //!    [`DiagnoseOptions::min_samples`] requests and P50(overlapping) / P50(alone) ≥
 //!    [`DiagnoseOptions::starvation_ratio`], the finding is `starvation` ("long prompts starve
 //!    short ones") naming the long bucket. `queueing` when the queue share ≥
-//!    [`DiagnoseOptions::queue_share`], and before it `queue_kv_bound` (the queue is the KV
+//!    [`DiagnoseOptions::queue_share`] and the mean queue ≥ [`DiagnoseOptions::queue_min_ms`], and before it `queue_kv_bound` (the queue is the KV
 //!    cache's: admission waits for cache room) when, without starvation, the queue share or
 //!    the P99 TTFT is beyond its threshold, at least one request was waiting and the KV cache
 //!    *holds the batch* (below); `slow_ttft` when P99 TTFT > [`DiagnoseOptions::ttft_p99_ms`]
@@ -105,6 +105,9 @@ pub struct DiagnoseOptions {
     pub ttft_p99_ms: f64,
     /// Queue share of TTFT at or above this means queueing. Default 0.5.
     pub queue_share: f64,
+    /// …when the mean engine queue per request (over the requests with one) is at least this
+    /// many ms: a 2 ms wait in a 4 ms TTFT is half of it and still nobody's problem. Default 10.
+    pub queue_min_ms: f64,
     /// P50 TTFT of short requests beside long prefills / alone at or above this means
     /// starvation. Default 2.0.
     pub starvation_ratio: f64,
@@ -150,6 +153,7 @@ impl Default for DiagnoseOptions {
             min_success_rate: 0.99,
             ttft_p99_ms: 2000.0,
             queue_share: 0.5,
+            queue_min_ms: 10.0,
             starvation_ratio: 2.0,
             min_samples: 10,
             tpot_p99_ms: 50.0,
@@ -474,6 +478,7 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     let mut b = StepBuilder::new("ttft");
     b.th("ttft_p99_ms", opts.ttft_p99_ms);
     b.th("queue_share", opts.queue_share);
+    b.th("queue_min_ms", opts.queue_min_ms);
     b.th("starvation_ratio", opts.starvation_ratio);
     b.th("min_samples", opts.min_samples as f64);
     // A request without a gateway TTFT (not streamed, or nothing streamed) is judged on the
@@ -554,12 +559,14 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     b.ev("per_bucket", json!(per_bucket));
     // Shares.
     let (mut q_sum, mut qt_sum, mut p_sum, mut pt_sum) = (0.0, 0.0, 0.0, 0.0);
+    let mut q_n = 0usize;
     // Engine phases above the gateway's measure are not this request's: out of the shares.
     for r in with.iter().filter(|r| !exceeds_gateway(r)) {
         let t = r.ttft_ms.unwrap_or(0.0);
         if let Some(q) = r.queue_duration_ms {
             q_sum += q;
             qt_sum += t;
+            q_n += 1;
         }
         if let Some(p) = r.prefill_duration_ms {
             p_sum += p;
@@ -568,7 +575,9 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     }
     let queue_share = ratio(q_sum, qt_sum);
     let prefill_share = ratio(p_sum, pt_sum);
+    let queue_mean_ms = (q_n > 0).then(|| q_sum / q_n as f64);
     b.ev("queue_share", num(queue_share));
+    b.ev("queue_mean_ms", num(queue_mean_ms));
     b.ev("prefill_share", num(prefill_share));
 
     // Starvation.
@@ -636,7 +645,8 @@ fn ttft_step(recs: &[&RequestRecord], window: Window, opts: &DiagnoseOptions) ->
     if let Some(u) = &unacc {
         b.ev("unaccounted", u.json());
     }
-    let queueing = queue_share.is_some_and(|s| s >= opts.queue_share);
+    let queueing = queue_share.is_some_and(|s| s >= opts.queue_share)
+        && queue_mean_ms.is_some_and(|m| m >= opts.queue_min_ms);
     let slow = p99.is_some_and(|x| x > opts.ttft_p99_ms);
     let blame = blame_evidence(&with);
     if let Some(bl) = &blame {
@@ -1983,6 +1993,29 @@ mod tests {
             until_us: 1,
         };
         assert_eq!(diagnose(&recs, narrow, &opts).requests, 1);
+    }
+
+    #[test]
+    fn a_queue_of_a_few_ms_is_not_queueing_whatever_its_share() {
+        // Half of a 4 ms TTFT spent in the queue (a scheduler wake-up on a busy host).
+        let mut recs: Vec<_> = (0..20).map(|i| rec(i, i as i64 * 1000, 50, 4.0)).collect();
+        for r in &mut recs {
+            r.queue_duration_ms = Some(2.0);
+            r.prefill_duration_ms = Some(2.0);
+        }
+        let r = diagnose(&recs, W, &DiagnoseOptions::default());
+        let s = step(&r, "ttft");
+        assert_eq!(s.evidence["queue_share"], json!(0.5));
+        assert_eq!(s.evidence["queue_mean_ms"], json!(2.0));
+        assert!(s.findings.is_empty(), "{s:?}");
+        assert_eq!(s.verdict, Verdict::Ok);
+        // The same share with the floor lowered is queueing.
+        let opts = DiagnoseOptions {
+            queue_min_ms: 1.0,
+            ..DiagnoseOptions::default()
+        };
+        let r = diagnose(&recs, W, &opts);
+        assert_eq!(step(&r, "ttft").findings, vec!["queueing".to_owned()]);
     }
 
     #[test]

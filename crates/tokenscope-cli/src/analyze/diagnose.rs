@@ -31,6 +31,9 @@ pub struct DiagnoseArgs {
     /// Queue share of TTFT at or above this means queueing (0–1).
     #[arg(long, default_value_t = 0.5)]
     pub queue_share: f64,
+    /// …when the mean engine queue per request is at least this long (e.g. 10ms).
+    #[arg(long, default_value = "10ms")]
+    pub queue_min: String,
     /// Short requests beside long prefills / alone, P50 TTFT ratio meaning starvation.
     #[arg(long, default_value_t = 2.0)]
     pub starvation_ratio: f64,
@@ -86,6 +89,7 @@ pub fn run(args: DiagnoseArgs) -> Result<()> {
         ttft_p99_ms: ms(&args.ttft_p99, "--ttft-p99")?,
         tpot_p99_ms: ms(&args.tpot_p99, "--tpot-p99")?,
         queue_share: args.queue_share,
+        queue_min_ms: ms(&args.queue_min, "--queue-min")?,
         starvation_ratio: args.starvation_ratio,
         min_samples: args.min_samples,
         kv_high: args.kv_high,

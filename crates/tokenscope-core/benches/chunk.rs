@@ -7,7 +7,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use std::hint::black_box;
 use std::time::Instant;
 use tokenscope_core::openai::parse_payload;
-use tokenscope_core::sse::{parse_event, EventSplitter};
+use tokenscope_core::sse::{event_data, EventSplitter};
 use tokenscope_core::StreamTimer;
 
 /// A token chunk exactly as llama.cpp's server sends it.
@@ -26,9 +26,9 @@ fn per_chunk(c: &mut Criterion) {
             let now = Instant::now();
             splitter
                 .push_bytes(black_box(&frame), |raw| {
-                    let ev = parse_event(&raw);
-                    if let Some(data) = ev.data {
-                        if let Ok(info) = parse_payload(data.as_bytes()) {
+                    // As the gateway reads an event (`ResponseFacts::absorb_event`).
+                    if let Some(data) = event_data(&raw) {
+                        if let Ok(info) = parse_payload(data.trim_ascii()) {
                             if info.has_output {
                                 timer.on_token_chunk(now);
                             }

@@ -282,7 +282,7 @@ struct RawPayload<'a> {
     #[serde(borrow, default)]
     model: Option<BStr<'a>>,
     #[serde(borrow, default)]
-    choices: Option<Vec<RawChoice<'a>>>,
+    choices: Option<Choices<'a>>,
     #[serde(default)]
     usage: Option<Usage>,
     #[serde(default)]
@@ -315,15 +315,176 @@ struct RawMessage<'a> {
     reasoning: Option<BStr<'a>>,
     #[serde(borrow, default)]
     refusal: Option<BStr<'a>>,
-    #[serde(default)]
-    tool_calls: Option<Vec<IgnoredAny>>,
+    #[serde(default, deserialize_with = "tool_call_count")]
+    tool_calls: Option<usize>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// `content`: a string, or anything else (an array of parts, an object) skipped in place —
+/// visited directly rather than through an untagged enum, which would first buffer the value.
 enum RawContent<'a> {
-    Text(#[serde(borrow)] BStr<'a>),
-    Other(IgnoredAny),
+    Text(BStr<'a>),
+    Other,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for RawContent<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = RawContent<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_borrowed_str<E: serde::de::Error>(
+                self,
+                v: &'de str,
+            ) -> Result<Self::Value, E> {
+                Ok(RawContent::Text(BStr(Cow::Borrowed(v))))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(RawContent::Text(BStr(Cow::Owned(v.to_owned()))))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(RawContent::Text(BStr(Cow::Owned(v))))
+            }
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(RawContent::Other)
+            }
+            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(RawContent::Other)
+            }
+            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(RawContent::Other)
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(RawContent::Other)
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+                Ok(RawContent::Other)
+            }
+            fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+                Ok(RawContent::Other)
+            }
+            fn visit_some<D2: serde::Deserializer<'de>>(
+                self,
+                d: D2,
+            ) -> Result<Self::Value, D2::Error> {
+                d.deserialize_any(self)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(RawContent::Other)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(RawContent::Other)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `choices`, folded one element at a time as the array is read (no `Vec` per payload).
+#[derive(Default)]
+struct Choices<'a> {
+    empty: bool,
+    output_bytes: usize,
+    has_output: bool,
+    text: Option<Cow<'a, str>>,
+    finish_reason: Option<Cow<'a, str>>,
+}
+
+impl<'a> Choices<'a> {
+    fn fold(&mut self, c: RawChoice<'a>) {
+        let mut bytes = c.text.as_ref().map_or(0, |t| t.len());
+        let mut tools = false;
+        let mut piece: Option<Cow<'a, str>> = None;
+        for m in [c.delta, c.message].into_iter().flatten() {
+            if let Some(RawContent::Text(t)) = m.content {
+                bytes += t.len();
+                if !t.0.is_empty() && piece.is_none() {
+                    piece = Some(t.0);
+                }
+            }
+            bytes += m.reasoning_content.as_ref().map_or(0, |t| t.len());
+            bytes += m.reasoning.as_ref().map_or(0, |t| t.len());
+            bytes += m.refusal.as_ref().map_or(0, |t| t.len());
+            if piece.is_none() {
+                piece = m.reasoning_content.or(m.reasoning).map(|t| t.0);
+            }
+            tools |= m.tool_calls.is_some_and(|n| n > 0);
+        }
+        self.output_bytes += bytes;
+        self.has_output |= bytes > 0 || tools;
+        if self.text.is_none() {
+            self.text = piece.or_else(|| c.text.map(|t| t.0));
+        }
+        if self.finish_reason.is_none() {
+            self.finish_reason = c.finish_reason.map(|r| r.0);
+        }
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Choices<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Choices<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an array of choices")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut acc = Choices {
+                    empty: true,
+                    ..Choices::default()
+                };
+                while let Some(c) = seq.next_element::<RawChoice<'de>>()? {
+                    acc.empty = false;
+                    acc.fold(c);
+                }
+                Ok(acc)
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+fn tool_call_count<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    Ok(Option::<Count>::deserialize(d)?.map(|c| c.0))
+}
+
+/// `tool_calls`: how many, each skipped in place.
+struct Count(usize);
+
+impl<'de> Deserialize<'de> for Count {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Count;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an array")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut n = 0;
+                while seq.next_element::<IgnoredAny>()?.is_some() {
+                    n += 1;
+                }
+                Ok(Count(n))
+            }
+        }
+        d.deserialize_seq(V)
+    }
 }
 
 /// Error of [`parse_payload`].
@@ -356,40 +517,12 @@ pub fn parse_payload(data: &[u8]) -> Result<PayloadInfo<'_>, PayloadError> {
         is_error: raw.error.is_some(),
         ..PayloadInfo::default()
     };
-    if let Some(choices) = raw.choices {
-        info.empty_choices = choices.is_empty();
-        for c in choices {
-            let mut bytes = c.text.as_ref().map_or(0, |t| t.len());
-            let mut tools = false;
-            let mut piece: Option<Cow<'_, str>> = None;
-            for m in [c.delta.as_ref(), c.message.as_ref()].into_iter().flatten() {
-                if let Some(RawContent::Text(t)) = &m.content {
-                    bytes += t.len();
-                    if !t.0.is_empty() && piece.is_none() {
-                        piece = Some(t.0.clone());
-                    }
-                }
-                if piece.is_none() {
-                    piece = m
-                        .reasoning_content
-                        .as_ref()
-                        .or(m.reasoning.as_ref())
-                        .map(|t| t.0.clone());
-                }
-                bytes += m.reasoning_content.as_ref().map_or(0, |t| t.len());
-                bytes += m.reasoning.as_ref().map_or(0, |t| t.len());
-                bytes += m.refusal.as_ref().map_or(0, |t| t.len());
-                tools |= m.tool_calls.as_ref().is_some_and(|t| !t.is_empty());
-            }
-            info.output_bytes += bytes;
-            info.has_output |= bytes > 0 || tools;
-            if info.text.is_none() {
-                info.text = piece.or_else(|| c.text.as_ref().map(|t| t.0.clone()));
-            }
-            if info.finish_reason.is_none() {
-                info.finish_reason = c.finish_reason.map(|r| r.0);
-            }
-        }
+    if let Some(c) = raw.choices {
+        info.empty_choices = c.empty;
+        info.output_bytes = c.output_bytes;
+        info.has_output = c.has_output;
+        info.text = c.text;
+        info.finish_reason = c.finish_reason;
     }
     Ok(info)
 }

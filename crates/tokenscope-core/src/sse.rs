@@ -201,6 +201,32 @@ pub fn parse_event(raw: &[u8]) -> SseEvent<'_> {
     ev
 }
 
+/// The `data:` lines of one raw event joined with `\n`, as bytes: what [`parse_event`] gives
+/// as `data`, without its UTF-8 check (a JSON parser checks its strings itself). Borrowed when
+/// the event has one `data:` line (every engine's case); `None` without a data line.
+pub fn event_data(raw: &[u8]) -> Option<Cow<'_, [u8]>> {
+    let mut data: Option<Cow<'_, [u8]>> = None;
+    for line in split_lines(raw) {
+        let Some(v) = line.strip_prefix(b"data") else {
+            continue;
+        };
+        let v = match v.first() {
+            None => &b""[..],
+            Some(b':') => v[1..].strip_prefix(b" ").unwrap_or(&v[1..]),
+            Some(_) => continue, // another field whose name starts with "data"
+        };
+        match &mut data {
+            Some(d) => {
+                let d = d.to_mut();
+                d.push(b'\n');
+                d.extend_from_slice(v);
+            }
+            None => data = Some(Cow::Borrowed(v)),
+        }
+    }
+    data
+}
+
 fn split_lines(raw: &[u8]) -> impl Iterator<Item = &[u8]> {
     let mut rest = raw;
     std::iter::from_fn(move || {
@@ -284,6 +310,15 @@ mod tests {
     }
 
     proptest! {
+        /// `event_data` is `parse_event`'s data, as bytes, for every valid UTF-8 event
+        /// (fields, comments, `data` without a colon, CR/LF/CRLF, several data lines).
+        #[test]
+        fn event_data_is_parse_events_data(raw in "(data|data:|data: |datum:|event: |:|id: )?[a-z \"{}]{0,12}([\r\n]{1,2}(data|data:|data: |datax:|event:|:)?[a-z {}]{0,12}){0,5}") {
+            let want = parse_event(raw.as_bytes()).data.map(|d| d.into_owned().into_bytes());
+            let got = event_data(raw.as_bytes()).map(|d| d.into_owned());
+            prop_assert_eq!(got, want, "{:?}", raw);
+        }
+
         /// Splitting is independent of how the stream is cut into frames, and loses no byte.
         #[test]
         fn framing_invariant(

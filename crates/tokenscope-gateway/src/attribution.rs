@@ -143,10 +143,23 @@ pub(crate) struct RequestIds {
     pub trace: String,
 }
 
+/// A UUIDv7 key: the Unix time in ms and random bits from the thread's `fastrand` generator
+/// (`Uuid::now_v7` reads the OS generator: a `getrandom` syscall on every request).
+fn new_key() -> String {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let mut rnd = [0u8; 10];
+    fastrand::fill(&mut rnd);
+    uuid::Builder::from_unix_timestamp_millis(ms, &rnd)
+        .into_uuid()
+        .to_string()
+}
+
 impl RequestIds {
     /// A new key, the client's id from `h` (when valid) and `trace`.
     pub(crate) fn new(h: &HeaderMap, trace: String) -> Self {
-        Self::with_key(uuid::Uuid::now_v7().to_string(), h, trace)
+        Self::with_key(new_key(), h, trace)
     }
 
     fn with_key(key: String, h: &HeaderMap, trace: String) -> Self {
@@ -183,6 +196,26 @@ impl RequestIds {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_are_distinct_uuid_v7_of_now() {
+        let before = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis() as u64;
+        let keys: std::collections::HashSet<String> = (0..1000).map(|_| new_key()).collect();
+        assert_eq!(keys.len(), 1000);
+        for k in &keys {
+            let u = uuid::Uuid::parse_str(k).expect("a uuid");
+            assert_eq!(u.get_version_num(), 7, "{k}");
+            let (s, ns) = u.get_timestamp().expect("v7 has a time").to_unix();
+            let ms = s * 1000 + u64::from(ns) / 1_000_000;
+            assert!(
+                ms >= before && ms <= before + 60_000,
+                "{k}: {ms} vs {before}"
+            );
+        }
+    }
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();

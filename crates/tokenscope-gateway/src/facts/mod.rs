@@ -23,7 +23,7 @@ use http::HeaderMap;
 use std::time::Instant;
 use tokenscope_core::messages::MessagesUsage;
 use tokenscope_core::openai::{parse_payload_for, LlamaTimings, PayloadInfo, Usage, VllmMetrics};
-use tokenscope_core::sse::parse_event;
+use tokenscope_core::sse::{event_data, parse_event};
 use tokenscope_core::{Endpoint, StreamTimer};
 
 /// Largest streamed output text kept for counting a cancelled stream's tokens.
@@ -141,15 +141,30 @@ impl ResponseFacts {
     /// Reads one raw SSE event. Returns `true` when the event is the usage-only chunk and
     /// `strip` is set (the caller then drops it).
     pub(crate) fn absorb_event(&mut self, raw: &[u8], now: Instant, strip: bool) -> bool {
-        let ev = parse_event(raw);
-        let Some(data) = ev.data else {
+        // Fast path: the data bytes straight to the JSON parser (which checks its strings'
+        // UTF-8 itself). Whatever it rejects goes through the text path, which decodes invalid
+        // UTF-8 lossily and trims any whitespace: a payload parses iff it did before, and to
+        // the same result.
+        let Some(data) = event_data(raw) else {
             return false;
         };
-        let data = data.trim();
-        if data.is_empty() || data == "[DONE]" {
+        let bytes = data.trim_ascii();
+        if bytes.is_empty() || bytes == b"[DONE]" {
             return false;
         }
-        match parse_payload_for(self.endpoint, data.as_bytes()) {
+        let text;
+        let parsed = match parse_payload_for(self.endpoint, bytes) {
+            Ok(info) => Ok(info),
+            Err(_) => {
+                text = parse_event(raw).data.unwrap_or_default();
+                let t = text.trim();
+                if t.is_empty() || t == "[DONE]" {
+                    return false;
+                }
+                parse_payload_for(self.endpoint, t.as_bytes())
+            }
+        };
+        match parsed {
             Ok(info) => {
                 let strip_this = strip && info.is_usage_only() && !info.has_output;
                 if info.has_output {

@@ -11,6 +11,10 @@
 //!   empty (no model, not a stream, no prompt).
 //! * The model and the body's `user` are bounded like header attribution
 //!   ([`crate::attribution::bounded`]); the prompt hash is computed over the bounded model.
+//! * The prompt's hash and sketch are not needed to forward the request: [`RequestPlan::fill`]
+//!   hands them over as a [`PromptFacts`] job, which the handler runs while the engine works on
+//!   the request (after the request is written upstream, never before it) and puts on the
+//!   record before the record can end.
 
 use crate::attribution::bounded;
 use bytes::Bytes;
@@ -36,10 +40,44 @@ pub(crate) struct RequestPlan {
 }
 
 /// What the plan put on the record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, PartialEq)]
 pub(crate) struct Entry {
     /// Entry-time input estimate (from the prompt's length).
     pub estimate: Option<u64>,
+    /// The prompt's hash, sketch and kept text, still to compute.
+    pub prompt: Option<PromptFacts>,
+}
+
+/// The prompt's facts for the record, computed off the forwarding path
+/// ([`PromptFacts::compute`]) and put on the record with [`PromptFacts::apply`].
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PromptFacts {
+    model: String,
+    norm: String,
+    store: bool,
+    hash: Option<String>,
+    sketch: Option<u64>,
+}
+
+impl PromptFacts {
+    /// Hashes and sketches the normalised prompt (idempotent).
+    pub(crate) fn compute(mut self) -> Self {
+        if self.hash.is_none() {
+            self.hash = Some(prompt_hash(&self.model, &self.norm));
+            self.sketch = prompt_sketch(&self.norm);
+        }
+        self
+    }
+
+    /// Puts the hash, the sketch and (when prompts are stored) the text on `rec`.
+    pub(crate) fn apply(self, rec: &mut RequestRecord) {
+        let done = self.compute();
+        rec.prompt_hash = done.hash;
+        rec.prompt_sketch = done.sketch;
+        if done.store {
+            rec.prompt_text = Some(done.norm);
+        }
+    }
 }
 
 impl RequestPlan {
@@ -75,8 +113,9 @@ impl RequestPlan {
     }
 
     /// Puts what the body says on the record: model, stream, `max_tokens`, the body's `user`
-    /// (when no header set one), input bucket and prompt hash from the entry estimate, and the
-    /// prompt text when `store_prompts`. Values are bounded at `max_attr` bytes.
+    /// (when no header set one), input bucket from the entry estimate; the prompt's hash,
+    /// sketch and (when `store_prompts`) text come back in [`Entry::prompt`], to put on the
+    /// record with [`PromptFacts::apply`]. Values are bounded at `max_attr` bytes.
     pub(crate) fn fill(
         &mut self,
         rec: &mut RequestRecord,
@@ -94,16 +133,21 @@ impl RequestPlan {
         if rec.user_id.is_none() {
             rec.user_id = self.info.user.as_deref().map(|u| bounded(u, max_attr));
         }
-        let mut entry = Entry { estimate: None };
+        let mut entry = Entry {
+            estimate: None,
+            prompt: None,
+        };
         if let Some(norm) = self.prompt.take() {
             let est = estimate_tokens(&norm);
             entry.estimate = Some(est);
             rec.input_bucket = Some(InputBucket::of(est));
-            rec.prompt_hash = Some(prompt_hash(&rec.model, &norm));
-            rec.prompt_sketch = prompt_sketch(&norm);
-            if store_prompts {
-                rec.prompt_text = Some(norm);
-            }
+            entry.prompt = Some(PromptFacts {
+                model: rec.model.clone(),
+                norm,
+                store: store_prompts,
+                hash: None,
+                sketch: None,
+            });
         }
         entry
     }
@@ -275,7 +319,8 @@ mod tests {
             assert!(!f.strip_usage);
             let mut p = RequestPlan::parse(endpoint, Bytes::copy_from_slice(body.as_bytes()));
             let mut rec = RequestRecord::default();
-            let entry = p.fill(&mut rec, 64, false);
+            let mut entry = p.fill(&mut rec, 64, false);
+            entry.prompt.take().expect("a prompt").apply(&mut rec);
             assert_eq!(rec.max_tokens, Some(5), "{endpoint:?}");
             assert_eq!(rec.user_id.as_deref(), Some("u"), "{endpoint:?}");
             assert!(rec.stream && rec.prompt_hash.is_some() && entry.estimate.is_some());
@@ -298,7 +343,12 @@ mod tests {
             r#"{"model":"a-long-model","user":"u","max_tokens":7,"stream":true,"messages":[{"role":"user","content":"hello there"}]}"#,
         );
         let mut rec = RequestRecord::default();
-        let entry = p.fill(&mut rec, 6, true);
+        let mut entry = p.fill(&mut rec, 6, true);
+        assert_eq!(rec.prompt_hash, None, "computed off the forwarding path");
+        let facts = entry.prompt.take().expect("a prompt").compute();
+        // Computed once; applying computes nothing more and gives the same hash.
+        assert_eq!(facts.clone().compute(), facts);
+        facts.apply(&mut rec);
         assert_eq!(
             rec.model,
             format!("a-long{}", crate::attribution::TRUNCATED)
@@ -308,8 +358,14 @@ mod tests {
         assert_eq!(rec.user_id.as_deref(), Some("u"));
         let est = entry.estimate.expect("estimate");
         assert_eq!(rec.input_bucket, Some(InputBucket::of(est)));
-        assert!(rec.prompt_hash.is_some());
-        assert!(rec.prompt_text.is_some());
+        let text = rec.prompt_text.clone().expect("prompts kept");
+        assert!(text.contains("hello there"), "{text}");
+        assert_eq!(
+            rec.prompt_hash.as_deref(),
+            Some(prompt_hash(&rec.model, &text).as_str()),
+            "over the bounded model"
+        );
+        assert_eq!(rec.prompt_sketch, prompt_sketch(&text));
 
         // A header's user wins; prompts are not kept unless asked.
         let mut p = plan(r#"{"user":"body","messages":[{"role":"user","content":"x"}]}"#);
@@ -317,7 +373,9 @@ mod tests {
             user_id: Some("header".into()),
             ..RequestRecord::default()
         };
-        p.fill(&mut rec, 64, false);
+        if let Some(f) = p.fill(&mut rec, 64, false).prompt {
+            f.apply(&mut rec);
+        }
         assert_eq!(rec.user_id.as_deref(), Some("header"));
         assert_eq!(rec.prompt_text, None);
         assert_eq!(rec.model, "");
@@ -325,7 +383,13 @@ mod tests {
         // Not JSON: nothing but the defaults.
         let mut p = plan("nope");
         let mut rec = RequestRecord::default();
-        assert_eq!(p.fill(&mut rec, 64, true), Entry { estimate: None });
+        assert_eq!(
+            p.fill(&mut rec, 64, true),
+            Entry {
+                estimate: None,
+                prompt: None
+            }
+        );
         assert_eq!(rec.prompt_hash, None);
         assert!(!rec.stream);
     }

@@ -117,8 +117,10 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         facts.set_stream(stream);
         plan.fill(rec, max_attr, cfg.store_prompts)
     });
+    let mut prompt = None;
     if let Some(entry) = entry {
         guard.set_entry_estimate(entry.estimate);
+        prompt = entry.prompt;
     }
     guard.start_in_flight();
 
@@ -142,6 +144,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
     }
 
     let Some(upstream) = upstream else {
+        put_prompt(&mut guard, prompt);
         return fail(guard, Failure::NoUpstream, &ids);
     };
     note_upstream(&mut guard, upstream, shared.gpu.as_ref());
@@ -150,7 +153,7 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
         f.upstream_sent(Instant::now());
     }
     let body = forward.body;
-    let sent = crate::replicas::send(
+    let send = crate::replicas::send(
         &upstream.name,
         &upstream.replicas,
         cfg.upstream_timeout(),
@@ -165,11 +168,24 @@ pub(crate) async fn measured(State(shared): State<Arc<Shared>>, req: Request) ->
             )
         },
         |r| note_replica(&mut guard, r),
-    )
+    );
+    // The prompt's hash and sketch while the engine works: `join` polls the send first (the
+    // request is written upstream), then computes them, then waits for the response head.
+    let (sent, prompt) = futures_util::future::join(send, async move {
+        prompt.map(crate::plan::PromptFacts::compute)
+    })
     .await;
+    put_prompt(&mut guard, prompt);
     match sent {
         Ok(sent) => respond(cfg, guard, sent, strip_usage, &ids),
         Err(failure) => fail(guard, failure, &ids),
+    }
+}
+
+/// The prompt's hash, sketch and kept text on the record.
+fn put_prompt(guard: &mut RecordGuard, prompt: Option<crate::plan::PromptFacts>) {
+    if let (Some(p), Some((rec, _))) = (prompt, guard.parts()) {
+        p.apply(rec);
     }
 }
 

@@ -79,6 +79,19 @@ fn per_prompt(c: &mut Criterion) {
     g.bench_function("prompt_sketch (1500 words)", |b| {
         b.iter(|| tokenscope_core::prompt::prompt_sketch(std::hint::black_box(&text)))
     });
+    // What the gateway normalises before forwarding: a chat body's messages.
+    let body = serde_json::json!({"model": "m", "messages": [
+        {"role": "system", "content": "You are helpful.\n\n"},
+        {"role": "user", "content": text.replace(" ticket ", "\nticket\t")}
+    ]});
+    g.bench_function("normalised_prompt (chat, 1500 words)", |b| {
+        b.iter(|| {
+            tokenscope_core::prompt::normalised_prompt(
+                tokenscope_core::Endpoint::ChatCompletions,
+                std::hint::black_box(&body),
+            )
+        })
+    });
     g.finish();
 }
 

@@ -94,7 +94,41 @@ fn push_value(out: &mut String, v: &Value) {
     }
 }
 
+/// Appends `s` with every run of whitespace (as [`char::is_whitespace`] sees it) made one space
+/// and none at either end. ASCII text (the common case) is scanned as bytes, whole words
+/// copied at once; any other text goes through `split_whitespace` (Unicode spaces).
 fn push_normalised(out: &mut String, s: &str) {
+    if !s.is_ascii() {
+        return push_normalised_unicode(out, s);
+    }
+    // The ASCII characters `char::is_whitespace` accepts (`u8::is_ascii_whitespace` lacks \x0B).
+    fn ws(b: u8) -> bool {
+        matches!(b, b' ' | b'\t' | b'\n' | 0x0B | 0x0C | b'\r')
+    }
+    let b = s.as_bytes();
+    out.reserve(b.len());
+    let mut i = 0;
+    let mut first = true;
+    while i < b.len() {
+        while i < b.len() && ws(b[i]) {
+            i += 1;
+        }
+        let start = i;
+        while i < b.len() && !ws(b[i]) {
+            i += 1;
+        }
+        if start < i {
+            if !first {
+                out.push(' ');
+            }
+            // ASCII: every byte index is a char boundary.
+            out.push_str(&s[start..i]);
+            first = false;
+        }
+    }
+}
+
+fn push_normalised_unicode(out: &mut String, s: &str) {
     let mut first = true;
     for w in s.split_whitespace() {
         if !first {
@@ -283,6 +317,16 @@ mod sketch_tests {
     }
 
     proptest! {
+        /// The ASCII byte scan normalises exactly as `split_whitespace` does.
+        #[test]
+        fn ascii_normalisation_is_split_whitespaces(s in "[a-c \t\n\r\x0B\x0C.]{0,60}") {
+            let mut fast = String::from("x");
+            push_normalised(&mut fast, &s);
+            let mut slow = String::from("x");
+            push_normalised_unicode(&mut slow, &s);
+            prop_assert_eq!(fast, slow);
+        }
+
         #[test]
         fn sketches_are_deterministic_and_masking_numbers_is_neutral(
             words in proptest::collection::vec("[a-z]{1,8}", 1..200),
